@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ortfx-installed
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned, so nothing later can pull a CUDA build on a CPU machine.
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ortfx.demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check ortfx tests property_tests bench
+	$(PY) -m ruff format --check ortfx tests property_tests bench
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests property_tests
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(PY) -m bench.compare
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

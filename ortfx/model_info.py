@@ -1,0 +1,102 @@
+"""The frozen record of a processed graph and the pure maps between user calls and graph I/O."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ortfx import io
+from ortfx.errors import OrtfxIOError
+from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
+
+
+class InputKind(enum.Enum):
+    USER = "user input"
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INTERNAL = "internal"
+
+
+@attrs.frozen
+class InputSpec:
+    """One graph input: its name, what kind of thing feeds it, and where that thing comes from.
+
+    ``source`` is the flat leaf index for a user input, and the module-relative name for a
+    parameter or buffer.
+    """
+
+    name: str
+    kind: InputKind
+    source: int | str
+    requires_grad: bool = False
+
+
+@attrs.frozen
+class PostExportProcessedModelInfo:
+    """A processed ONNX model and everything needed to feed it and read it back.
+
+    ``model`` is the serialized ONNX model (immutable bytes). ``inputs`` lists the graph inputs
+    in graph order. ``output_schema`` is the user's output structure; its tensor leaves map, in
+    order, onto ``output_names``; its static leaves (ints, strs, None) are restored as they were.
+    """
+
+    model: bytes = attrs.field(repr=lambda b: f"<{len(b)} bytes>")
+    inputs: tuple[InputSpec, ...]
+    input_schema: ModelSchema
+    output_schema: ModelSchema
+    output_names: tuple[str, ...]
+    dynamic_scalars: frozenset[str] = frozenset()
+
+    @property
+    def user_inputs_requiring_grad(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs if i.kind is InputKind.USER and i.requires_grad)
+
+    @property
+    def params_to_train(self) -> tuple[str, ...]:
+        return tuple(
+            i.name for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad
+        )
+
+    def construct_inputs(
+        self, args: Sequence[Any], kwargs: dict[str, Any], /, named_tensors: Mapping[str, Any]
+    ) -> tuple[torch.Tensor, ...]:
+        """Graph inputs, in graph order, for ``module(*args, **kwargs)``.
+
+        ``named_tensors`` maps parameter and buffer names (as in ``named_parameters()``) to
+        their tensors.
+        """
+        leaves, spec = io.flatten(io.call_tree(args, kwargs))
+        if spec != self.input_schema.treespec:
+            raise OrtfxIOError(
+                f"construct_inputs was given a call of structure {spec}, but this graph was "
+                f"built for {self.input_schema.treespec}; decide() must pick the graph first."
+            )
+        leaves = tensorize_scalars(leaves, spec, paths=self.dynamic_scalars)
+        return self.construct_inputs_flat(leaves, named_tensors)
+
+    def construct_inputs_flat(
+        self, leaves: Sequence[Any], named_tensors: Mapping[str, Any], /
+    ) -> tuple[torch.Tensor, ...]:
+        """Like :meth:`construct_inputs`, from already flattened (and tensorized) leaves."""
+        return tuple(
+            leaves[i.source] if i.kind is InputKind.USER else named_tensors[i.source]  # type: ignore[index]
+            for i in self.inputs
+        )
+
+    def restore_outputs(self, flat: Sequence[torch.Tensor], /) -> Any:
+        """The user's output structure from the graph's outputs (in ``output_names`` order)."""
+        if len(flat) != len(self.output_names):
+            raise ValueError(
+                f"restore_outputs needs the {len(self.output_names)} graph outputs "
+                f"{self.output_names}, got {len(flat)} tensors"
+            )
+        tensors = iter(flat)
+        leaves = [
+            next(tensors) if isinstance(s, TensorSpec) else s.value  # type: ignore[union-attr]
+            for s in self.output_schema.leaves
+        ]
+        return io.unflatten(self.output_schema.treespec, leaves)

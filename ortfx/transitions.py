@@ -1,0 +1,384 @@
+"""Pure graph-transition core: export keys, decisions with reasons, and the bounded export cache.
+
+Nothing here imports ONNX Runtime. The shell builds a :class:`Call` for each forward, asks
+:func:`decide` what must happen, does the (effectful) work, and swaps in the state returned by
+:func:`apply`. A failure in between leaves the old state untouched.
+
+Order of precedence: ``Reexport`` > ``Reprocess`` > ``NewSession`` > ``Reuse``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Generic, TypeAlias, TypeVar
+
+import attrs
+
+from ortfx import io
+from ortfx.options import ExportOptions
+from ortfx.schema import LeafSpec, ModelSchema, StaticSpec, TensorSpec
+
+P = TypeVar("P")
+
+
+@attrs.frozen
+class Reason:
+    """One difference between what a cache entry was built for and the current call."""
+
+    path: str
+    seen: str
+    given: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path} was {self.seen}, now {self.given} ({self.why})"
+
+
+@attrs.frozen
+class ModuleVersion:
+    """Bumped by every change to the module that can change its graph; ``cause`` says which."""
+
+    number: int = 0
+    cause: str = attrs.field(default="", eq=False)
+
+
+@attrs.frozen
+class ExportKey:
+    """Everything that can change the exported graph, and nothing that cannot."""
+
+    schema: ModelSchema
+    training: bool
+    module_version: ModuleVersion
+    options: ExportOptions
+    versions: tuple[str, str]  # (torch, onnx)
+
+
+@attrs.frozen
+class GradState:
+    """Which inputs and parameters require grad: decides re-processing, not re-export."""
+
+    inputs: tuple[bool, ...]
+    params: tuple[bool, ...]
+    param_names: tuple[str, ...] = attrs.field(eq=False)
+
+
+@attrs.frozen
+class SessionKey:
+    """What only needs a new ORT session: the device and torch's determinism flag."""
+
+    device: str
+    deterministic: bool
+
+
+@attrs.frozen
+class Call:
+    """Everything :func:`decide` needs to know about one forward call."""
+
+    key: ExportKey
+    grad: GradState
+    session: SessionKey
+
+
+@attrs.frozen
+class Reuse:
+    pass
+
+
+@attrs.frozen
+class NewSession:
+    reasons: tuple[Reason, ...]
+
+
+@attrs.frozen
+class Reprocess:
+    reasons: tuple[Reason, ...]
+
+
+@attrs.frozen
+class Reexport:
+    reasons: tuple[Reason, ...]
+
+
+Decision: TypeAlias = Reuse | NewSession | Reprocess | Reexport
+
+
+def decision_name(decision: Decision, *, first: bool = False) -> str:
+    if isinstance(decision, Reexport):
+        return "export" if first else "re-export"
+    if isinstance(decision, Reprocess):
+        return "re-process"
+    if isinstance(decision, NewSession):
+        return "new session"
+    return "reuse"
+
+
+@attrs.frozen
+class Transition:
+    """A non-trivial decision in the history, with its reasons; renders as one log line."""
+
+    call: int
+    kind: str
+    reasons: tuple[Reason, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: " + "; ".join(map(str, self.reasons))
+
+
+@attrs.frozen
+class Entry(Generic[P]):
+    """One cached graph: what it was built for, and the shell's artifacts for it."""
+
+    key: ExportKey
+    grad: GradState
+    session: SessionKey
+    payload: P = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Stats:
+    """Counters a user can read with ``ortfx.stats(model)``."""
+
+    calls: int = 0
+    exports: int = 0
+    reprocesses: int = 0
+    sessions: int = 0
+    cache_hits: int = 0
+    fallback: str | None = None
+
+
+REPEAT_WARN_AFTER = 3
+HISTORY_LIMIT = 256
+
+
+@attrs.frozen
+class ExportState(Generic[P]):
+    """The whole state of a wrapper: LRU cache (most recent last), counters and history."""
+
+    maxsize: int = 8
+    entries: tuple[Entry[P], ...] = ()
+    module_version: ModuleVersion = ModuleVersion()
+    stats: Stats = Stats()
+    history: tuple[Transition, ...] = ()
+    # Consecutive re-exports forced by a changing static leaf, and the leaves already warned of.
+    streaks: tuple[tuple[str, int], ...] = ()
+    warned: frozenset[str] = frozenset()
+
+    def lookup(self, key: ExportKey) -> Entry[P] | None:
+        # Most recent first: in a steady training loop the first comparison hits.
+        for entry in reversed(self.entries):
+            if entry.key == key:
+                return entry
+        return None
+
+
+def bump_module_version(state: ExportState[P], cause: str) -> ExportState[P]:
+    """A new module version: every cached graph becomes unreachable (and ages out of the LRU)."""
+    return attrs.evolve(state, module_version=ModuleVersion(state.module_version.number + 1, cause))
+
+
+# ---- explanations -------------------------------------------------------------------------
+
+
+def _leaf_reason(path: str, seen: LeafSpec, given: LeafSpec) -> Reason:
+    if isinstance(seen, StaticSpec) and isinstance(given, StaticSpec):
+        if type(seen.value) is type(given.value):
+            why = f"a static {seen.kind} value changed"
+        else:
+            why = "a static value changed type"
+    elif isinstance(seen, TensorSpec) and isinstance(given, TensorSpec):
+        changed = [n for n in ("dtype", "rank") if getattr(seen, n) != getattr(given, n)]
+        why = f"a tensor's {' and '.join(changed)} changed"
+    elif isinstance(seen, StaticSpec):
+        why = "None became a tensor" if seen.value is None else "a static value became a tensor"
+    else:
+        why = "a tensor became None" if given.value is None else "a tensor became a static value"
+    return Reason(path, seen.render(), given.render(), why)
+
+
+def _structure_reasons(seen: ModelSchema, given: ModelSchema) -> Iterator[Reason]:
+    old, new = seen.paths, given.paths
+    for path in old:
+        if path not in new:
+            yield Reason(path, "present", "absent", "the input structure changed")
+    for path in new:
+        if path not in old:
+            yield Reason(path, "absent", "present", "the input structure changed")
+    if set(old) == set(new):
+        old_chains = dict(zip(old, io.containers(seen.treespec, root=seen.root), strict=True))
+        for path, chain in zip(new, io.containers(given.treespec, root=given.root), strict=True):
+            for (where, was), (_, now) in zip(old_chains[path], chain, strict=False):
+                if was != now:
+                    yield Reason(where, f"a {was}", f"a {now}", "a container type changed")
+                    return
+        yield Reason("inputs", str(seen.treespec), str(given.treespec), "the tree changed")
+
+
+def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
+    """Why ``given`` misses an entry built for ``seen``, in a fixed order (JAX-style).
+
+    Module version, mode, options and library versions first, then tree structure, then leaves.
+    """
+    reasons: list[Reason] = []
+    if seen.module_version != given.module_version:
+        reasons.append(
+            Reason(
+                "module",
+                f"version {seen.module_version.number}",
+                f"version {given.module_version.number}",
+                given.module_version.cause or "the module changed",
+            )
+        )
+    if seen.training != given.training:
+        mode = {True: "train", False: "eval"}
+        reasons.append(
+            Reason("mode", mode[seen.training], mode[given.training], "train/eval mode changed")
+        )
+    for field in attrs.fields(ExportOptions):
+        a, b = getattr(seen.options, field.name), getattr(given.options, field.name)
+        if a != b:
+            reasons.append(
+                Reason(f"option {field.name}", repr(a), repr(b), "an export option changed")
+            )
+    for name, a, b in zip(("torch", "onnx"), seen.versions, given.versions, strict=True):
+        if a != b:
+            reasons.append(Reason(f"{name} version", a, b, "a library version changed"))
+    if seen.schema.treespec != given.schema.treespec:
+        reasons.extend(_structure_reasons(seen.schema, given.schema))
+    else:
+        for path, a, b in zip(
+            given.schema.paths, seen.schema.leaves, given.schema.leaves, strict=True
+        ):
+            if a != b:
+                reasons.append(_leaf_reason(path, a, b))
+    return tuple(reasons)
+
+
+def _flag(value: bool) -> str:
+    return f"requires_grad={value}"
+
+
+def explain_grad(seen: GradState, given: GradState, paths: tuple[str, ...]) -> tuple[Reason, ...]:
+    reasons = [
+        Reason(path, _flag(a), _flag(b), "an input's requires_grad changed")
+        for path, a, b in zip(paths, seen.inputs, given.inputs, strict=True)
+        if a != b
+    ]
+    if seen.param_names != given.param_names:
+        reasons.append(Reason("parameters", "another set", "this set", "the parameters changed"))
+    else:
+        reasons.extend(
+            Reason(f"parameter '{name}'", _flag(a), _flag(b), "a parameter's requires_grad changed")
+            for name, a, b in zip(given.param_names, seen.params, given.params, strict=True)
+            if a != b
+        )
+    return tuple(reasons)
+
+
+def explain_session(seen: SessionKey, given: SessionKey) -> tuple[Reason, ...]:
+    reasons = []
+    if seen.device != given.device:
+        reasons.append(Reason("device", seen.device, given.device, "the module changed device"))
+    if seen.deterministic != given.deterministic:
+        on = {True: "on", False: "off"}
+        reasons.append(
+            Reason(
+                "deterministic algorithms",
+                on[seen.deterministic],
+                on[given.deterministic],
+                "torch.use_deterministic_algorithms changed",
+            )
+        )
+    return tuple(reasons)
+
+
+def _closest(entries: tuple[Entry[P], ...], key: ExportKey) -> Entry[P] | None:
+    # The entry with the fewest differences; ties go to the most recently used one.
+    best: Entry[P] | None = None
+    best_count = -1
+    for entry in reversed(entries):
+        count = len(explain_key(entry.key, key))
+        if best is None or count < best_count:
+            best, best_count = entry, count
+    return best
+
+
+# ---- the decision and its application ------------------------------------------------------
+
+
+FIRST_CALL = Reason("module", "never exported", "called", "first call")
+
+
+def decide(state: ExportState[P], call: Call) -> Decision:
+    """What the shell must do for ``call``. Pure: reads ``state``, changes nothing."""
+    entry = state.lookup(call.key)
+    if entry is None:
+        closest = _closest(state.entries, call.key)
+        if closest is None:
+            return Reexport((FIRST_CALL,))
+        return Reexport(explain_key(closest.key, call.key))
+    if entry.grad != call.grad:
+        return Reprocess(
+            explain_grad(entry.grad, call.grad, call.key.schema.paths)
+            + explain_session(entry.session, call.session)
+        )
+    if entry.session != call.session:
+        return NewSession(explain_session(entry.session, call.session))
+    return Reuse()
+
+
+def _static_paths(reasons: tuple[Reason, ...]) -> set[str]:
+    # Only int/float/bool leaves can be fed as tensors instead (Options.dynamic_scalars).
+    kinds = {f"a static {t} value changed" for t in ("int", "float", "bool")}
+    return {r.path for r in reasons if r.why in kinds}
+
+
+def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> ExportState[P]:
+    """The state after the shell carried out ``decision`` for ``call``, producing ``payload``.
+
+    For ``Reuse`` the payload must be the cached entry's own.
+    """
+    stats = state.stats
+    if isinstance(decision, Reuse):
+        entries = state.entries
+        if entries[-1].key != call.key:  # move the hit to the most-recent end
+            entries = tuple(e for e in entries if e.key != call.key) + (
+                Entry(call.key, call.grad, call.session, payload),
+            )
+        return attrs.evolve(
+            state,
+            entries=entries,
+            stats=attrs.evolve(stats, calls=stats.calls + 1, cache_hits=stats.cache_hits + 1),
+        )
+
+    first = stats.exports == 0 and isinstance(decision, Reexport)
+    transition = Transition(stats.calls, decision_name(decision, first=first), decision.reasons)
+    kept = tuple(e for e in state.entries if e.key != call.key)
+    entries = (*kept, Entry(call.key, call.grad, call.session, payload))[-state.maxsize :]
+    streaks, warned = state.streaks, state.warned
+    if isinstance(decision, Reexport):
+        stats = attrs.evolve(stats, exports=stats.exports + 1)
+        previous = dict(streaks)
+        streaks = tuple(
+            (path, previous.get(path, 0) + 1) for path in sorted(_static_paths(decision.reasons))
+        )
+        warned = warned | {p for p, n in streaks if n >= REPEAT_WARN_AFTER}
+    else:
+        stats = attrs.evolve(stats, cache_hits=stats.cache_hits + 1)
+        if isinstance(decision, Reprocess):
+            stats = attrs.evolve(stats, reprocesses=stats.reprocesses + 1)
+    return attrs.evolve(
+        state,
+        entries=entries,
+        stats=attrs.evolve(stats, calls=stats.calls + 1, sessions=stats.sessions + 1),
+        history=(*state.history, transition)[-HISTORY_LIMIT:],
+        streaks=streaks,
+        warned=warned,
+    )
+
+
+REPEATED_REEXPORT = (
+    "{path} forced {count} re-exports in a row because its static value keeps changing; each "
+    "new value is baked into a new graph. If it is data rather than a switch, pass "
+    "ORTModule(..., options=ortfx.Options(dynamic_scalars=({path!r},))) to feed it to the graph "
+    "as a tensor, or pass a torch.tensor yourself."
+)

@@ -1,0 +1,167 @@
+"""Properties of the pure transition core: decide/apply against a plain-dict model."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from ortfx.options import ExportOptions
+from ortfx.schema import ModelSchema
+from ortfx.transitions import (
+    Call,
+    ExportKey,
+    ExportState,
+    GradState,
+    ModuleVersion,
+    NewSession,
+    Reexport,
+    Reprocess,
+    Reuse,
+    SessionKey,
+    apply,
+    bump_module_version,
+    decide,
+)
+
+# A handful of structurally different calls; schemas are built from real flattening.
+CALL_VARIANTS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    ((torch.zeros(2, 3),), {}),
+    ((torch.zeros(2, 3), True), {}),
+    ((torch.zeros(2, 3), False), {}),
+    ((torch.zeros(2, 3), 3), {}),
+    ((torch.zeros(2, 3), None), {}),
+    ((torch.zeros(2, 3, dtype=torch.float64),), {}),
+    ((torch.zeros(2),), {"mask": torch.zeros(2, dtype=torch.bool)}),
+    (([torch.zeros(1), torch.zeros(1)],), {}),
+    (((torch.zeros(1), torch.zeros(1)),), {}),
+]
+SCHEMAS = [ModelSchema.from_call(*c) for c in CALL_VARIANTS]
+PARAMS = ("fc.weight", "fc.bias")
+OPTIONS = [ExportOptions("torchscript", 17), ExportOptions("dynamo", 18)]
+VERSIONS = ("2.13.0", "1.17")
+
+
+def make_call(
+    schema_i: int, training: bool, version: int, options_i: int,
+    params_grad: tuple[bool, bool], device: str, deterministic: bool,
+) -> Call:
+    schema = SCHEMAS[schema_i]
+    key = ExportKey(schema, training, ModuleVersion(version), OPTIONS[options_i], VERSIONS)
+    grad = GradState(schema.requires_grad, params_grad, PARAMS)
+    return Call(key, grad, SessionKey(device, deterministic))
+
+
+call_args = st.tuples(
+    st.integers(0, len(SCHEMAS) - 1),
+    st.booleans(),
+    st.integers(0, 2),
+    st.integers(0, 1),
+    st.tuples(st.booleans(), st.booleans()),
+    st.sampled_from(["cpu", "cuda:0"]),
+    st.booleans(),
+)
+
+
+@given(st.lists(call_args, max_size=12), call_args, st.integers(1, 4))
+@settings(max_examples=200, deadline=None)
+def test_deciding_again_after_applying_reuses(history: list[Any], last: Any, maxsize: int) -> None:
+    """Whatever came before, applying decide's own decision makes the same call a Reuse."""
+    state: ExportState[str] = ExportState(maxsize=maxsize)
+    for args in [*history, last]:
+        call = make_call(*args)
+        decision = decide(state, call)
+        state = apply(state, call, decision, "payload")
+    assert decide(state, make_call(*last)) == Reuse()
+
+
+@given(call_args, call_args)
+@settings(max_examples=200, deadline=None)
+def test_every_non_reuse_decision_has_reasons(first: Any, second: Any) -> None:
+    """A decision other than Reuse always explains itself with at least one reason."""
+    state: ExportState[str] = ExportState()
+    call = make_call(*first)
+    state = apply(state, call, decide(state, call), "p")
+    decision = decide(state, make_call(*second))
+    if not isinstance(decision, Reuse):
+        assert decision.reasons
+        assert all(str(r) for r in decision.reasons)
+
+
+class TransitionMachine(RuleBasedStateMachine):
+    """Random call sequences against a plain OrderedDict model of the LRU export cache."""
+
+    @initialize(maxsize=st.integers(1, 4))
+    def setup(self, maxsize: int) -> None:
+        self.state: ExportState[int] = ExportState(maxsize=maxsize)
+        self.maxsize = maxsize
+        self.model: collections.OrderedDict[ExportKey, tuple[GradState, SessionKey]] = (
+            collections.OrderedDict()
+        )
+        self.version = 0
+        self.expected = collections.Counter[str]()
+
+    @rule(args=call_args)
+    def call(self, args: Any) -> None:
+        call = make_call(args[0], args[1], self.version, *args[3:])
+        decision = decide(self.state, call)
+        seen = self.model.get(call.key)
+        if seen is None:
+            assert isinstance(decision, Reexport)
+            self.expected["exports"] += 1
+        elif seen[0] != call.grad:
+            assert isinstance(decision, Reprocess)
+            self.expected["reprocesses"] += 1
+        elif seen[1] != call.session:
+            assert isinstance(decision, NewSession)
+        else:
+            assert isinstance(decision, Reuse)
+        if not isinstance(decision, Reuse):
+            self.expected["sessions"] += 1
+        if seen is not None:
+            self.expected["cache_hits"] += 1
+        self.expected["calls"] += 1
+        self.state = apply(self.state, call, decision, self.expected["calls"])
+        self.model.pop(call.key, None)
+        self.model[call.key] = (call.grad, call.session)
+        while len(self.model) > self.maxsize:
+            self.model.popitem(last=False)
+
+    @rule()
+    def bump(self) -> None:
+        self.version += 1
+        self.state = bump_module_version(self.state, "attribute 'scale' set through the wrapper")
+
+    @invariant()
+    def cache_matches_model(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        assert [e.key for e in self.state.entries] == list(self.model)
+        stats = self.state.stats
+        for name in ("calls", "exports", "reprocesses", "sessions", "cache_hits"):
+            assert getattr(stats, name) == self.expected[name], name
+
+
+TransitionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestTransitionMachine = TransitionMachine.TestCase
+
+
+@given(st.integers(0, len(SCHEMAS) - 1), st.integers(0, len(SCHEMAS) - 1))
+@settings(deadline=None)
+def test_explanations_name_the_changed_path(i: int, j: int) -> None:
+    """A re-export between two schemas names a path that exists in one of the two calls."""
+    state: ExportState[int] = ExportState()
+    first = make_call(i, True, 0, 0, (True, True), "cpu", False)
+    state = apply(state, first, decide(state, first), 0)
+    decision = decide(state, make_call(j, True, 0, 0, (True, True), "cpu", False))
+    if SCHEMAS[i] == SCHEMAS[j]:
+        assert decision == Reuse()
+    else:
+        assert isinstance(decision, Reexport)
+        known = set(SCHEMAS[i].paths) | set(SCHEMAS[j].paths) | {"inputs"}
+        # A leaf's path, or the path of a container on the way to one.
+        assert any(k.startswith(r.path) for r in decision.reasons for k in known)
