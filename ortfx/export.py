@@ -1,0 +1,298 @@
+"""Export a module, for one call schema, to an ONNX model over flat tensors.
+
+This is the only module that touches the torch ONNX exporter, and so the only place where torch's
+private or deprecated exporter API may be used; if torch moves it again, the error is raised here
+with the fix.
+
+Two exporters sit behind :func:`export`:
+
+* ``torchscript``: ``torch.onnx.export(..., dynamo=False)``. Fast (about 0.5 s for a 5M-parameter
+  GPT); parameters and buffers become graph inputs named by their module path.
+* ``dynamo``: ``torch.export`` of a functional wrapper that takes parameters and buffers as
+  explicit inputs (``torch.func.functional_call``), then ``torch.onnx.export`` of that program at
+  opset 18. Slower, but survives graphs the tracer bakes sizes into. Needs ``onnxscript``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io as _io
+import random
+import re
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import onnx
+import torch
+
+from ortfx import io
+from ortfx.errors import OrtfxExportError
+from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
+from ortfx.options import ExportOptions
+from ortfx.schema import ModelSchema, TensorSpec
+
+EXPORT_FAILED = (
+    "exporting {module} to ONNX with the {exporter} exporter failed for inputs {schema}: "
+    "{error_type}: {error}. If the model uses an operation this exporter cannot express, try the "
+    "other exporter (Options(exporter={other!r})), or let ortfx fall back to PyTorch."
+)
+
+DYNAMO_NEEDS_ONNXSCRIPT = (
+    "the dynamo exporter needs the onnxscript package, which is not installed. "
+    "Install it (`pip install ortfx[dynamo]`) or use Options(exporter='torchscript')."
+)
+
+NO_TORCHSCRIPT_EXPORTER = (
+    "this torch ({version}) no longer ships the TorchScript ONNX exporter "
+    "(torch.onnx.export(..., dynamo=False)); ortfx switches to the dynamo exporter."
+)
+
+
+def torchscript_available() -> bool:
+    """Whether this torch still ships the TorchScript exporter (moved in 2.9, deprecated)."""
+    try:
+        import torch.onnx._internal.torchscript_exporter  # noqa: F401
+    except ImportError:
+        return hasattr(torch.onnx, "utils") and hasattr(torch.onnx.utils, "_export")
+    return True
+
+
+def resolve_exporter(requested: str) -> str:
+    """Turn ``"auto"`` into a real exporter: TorchScript while torch ships it."""
+    if requested != "auto":
+        return requested
+    return "torchscript" if torchscript_available() else "dynamo"
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Export runs the module; the user's Python, numpy and torch RNG streams must not move."""
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def graph_name(path: str, taken: set[str]) -> str:
+    """A tidy ONNX value name from a leaf path: ``args[1]['mask']`` -> ``args_1_mask``."""
+    base = re.sub(r"[^0-9A-Za-z_.]+", "_", path).strip("_") or "value"
+    name, n = base, 1
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    taken.add(name)
+    return name
+
+
+class _FlatCall(torch.nn.Module):
+    """Calls the user's module from flat tensors and returns flat tensor outputs.
+
+    Static leaves of the call are put back from the schema; the output structure and the
+    static output leaves are recorded on the way out (the exporter runs this once).
+    """
+
+    def __init__(self, module: torch.nn.Module, leaves: Sequence[Any], schema: ModelSchema):
+        super().__init__()
+        self.module = module
+        self._leaves = list(leaves)
+        self._schema = schema
+        self._tensor_positions = schema.tensor_indices()
+        self.output_schema: ModelSchema | None = None
+        self.output_leaves: list[Any] = []
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self._leaves)
+        for pos, t in zip(self._tensor_positions, tensors, strict=True):
+            leaves[pos] = t
+        args, kwargs = io.unflatten(self._schema.treespec, leaves)
+        out = self.module(*args, **kwargs)
+        out_leaves, out_spec = io.flatten(out)
+        io.check_leaves(out_leaves, out_spec, root="output", where="output")
+        self.output_schema = ModelSchema.from_flat(out_leaves, out_spec, root="output")
+        self.output_leaves = out_leaves
+        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+
+def _parameter_sources(module: torch.nn.Module) -> dict[str, tuple[InputKind, str]]:
+    """Graph name -> (kind, canonical name). Aliases of tied weights map to one canonical name."""
+    sources: dict[str, tuple[InputKind, str]] = {}
+    canonical: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+        sources["module." + name] = (InputKind.PARAMETER, canonical[id(p)])
+    for name, b in module.named_buffers(remove_duplicate=False):
+        canonical.setdefault(id(b), name)
+        sources["module." + name] = (InputKind.BUFFER, canonical[id(b)])
+    return sources
+
+
+def _export_torchscript(
+    flat: _FlatCall,
+    tensors: tuple[torch.Tensor, ...],
+    input_names: list[str],
+    opset: int,
+) -> onnx.ModelProto:
+    buffer = _io.BytesIO()
+    dynamic_axes = {
+        name: {d: f"{name}_dim{d}" for d in range(t.dim())}
+        for name, t in zip(input_names, tensors, strict=True)
+    }
+    with warnings.catch_warnings():
+        # The exporter is deprecated and warns on every trace; TracerWarnings are reported by
+        # ortfx's own checks (a shape that the graph cannot run leads to a re-export).
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            flat,
+            tensors,
+            buffer,
+            dynamo=False,
+            do_constant_folding=False,
+            export_params=False,
+            keep_initializers_as_inputs=True,
+            opset_version=opset,
+            # PRESERVE follows module.training; the default (EVAL) would silently drop dropout.
+            training=torch.onnx.TrainingMode.PRESERVE,
+            input_names=input_names,
+            dynamic_axes=dynamic_axes,
+        )
+    return onnx.load_model_from_string(buffer.getvalue())
+
+
+def _export_dynamo(
+    flat: _FlatCall,
+    tensors: tuple[torch.Tensor, ...],
+    input_names: list[str],
+    opset: int,
+) -> onnx.ModelProto:
+    try:
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise OrtfxExportError(DYNAMO_NEEDS_ONNXSCRIPT) from e
+    state = {
+        **{n: p for n, p in flat.named_parameters()},
+        **{n: b for n, b in flat.named_buffers()},
+    }
+    names = list(state)
+
+    class Functional(torch.nn.Module):
+        def forward(self, *flat_inputs: torch.Tensor) -> Any:
+            user, weights = flat_inputs[: len(tensors)], flat_inputs[len(tensors) :]
+            return torch.func.functional_call(
+                flat, dict(zip(names, weights, strict=True)), tuple(user)
+            )
+
+    weights = tuple(state[n].detach() for n in names)
+    dims = tuple(
+        {d: torch.export.Dim.AUTO for d in range(t.dim())} for t in (*tensors, *weights)
+    )
+    # Parameters are fixed-size; only user inputs get dynamic dims.
+    dims = tuple(d if i < len(tensors) else None for i, d in enumerate(dims))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(Functional(), (*tensors, *weights), dynamic_shapes=(dims,))
+        onnx_program = torch.onnx.export(
+            program,
+            dynamo=True,
+            opset_version=max(opset, 18),
+            optimize=False,
+            input_names=[*input_names, *names],
+        )
+    assert onnx_program is not None
+    return onnx_program.model_proto
+
+
+def export(
+    module: torch.nn.Module,
+    leaves: Sequence[Any],
+    schema: ModelSchema,
+    options: ExportOptions,
+) -> tuple[PostExportProcessedModelInfo, float]:
+    """Export ``module`` for calls of ``schema`` (example ``leaves``); return the raw record.
+
+    The record's ``inputs`` are the graph's inputs as exported (user tensors by path, then
+    parameters and buffers by module path); grad flags are filled in by processing.
+    """
+    start = time.perf_counter()
+    taken: set[str] = set()
+    positions = schema.tensor_indices()
+    input_names = [graph_name(schema.paths[i], taken) for i in positions]
+    tensors = tuple(leaves[i].detach() for i in positions)
+    flat = _FlatCall(module, leaves, schema)
+    exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
+    try:
+        with preserved_random_state(), torch.no_grad():
+            model = exporter(flat, tensors, input_names, options.opset_version)
+    except OrtfxExportError:
+        raise
+    except Exception as e:
+        other = "dynamo" if options.exporter == "torchscript" else "torchscript"
+        rendered = ", ".join(
+            f"{p}: {s.render()}" for p, s in zip(schema.paths, schema.leaves, strict=True)
+        )
+        raise OrtfxExportError(
+            EXPORT_FAILED.format(
+                module=type(module).__name__,
+                exporter=options.exporter,
+                schema="{" + rendered + "}",
+                error_type=type(e).__name__,
+                error=str(e).strip().splitlines()[0] if str(e).strip() else "",
+                other=other,
+            )
+        ) from e
+    if flat.output_schema is None:
+        raise OrtfxExportError(f"the {options.exporter} exporter never ran the module's forward")
+
+    by_name = dict(zip(input_names, positions, strict=True))
+    params = _parameter_sources(module)
+    if options.exporter == "dynamo":
+        params.update({k.removeprefix("module."): v for k, v in params.items()})
+    inputs = []
+    for value in model.graph.input:
+        if value.name in by_name:
+            inputs.append(InputSpec(value.name, InputKind.USER, by_name[value.name]))
+        elif value.name in params:
+            kind, source = params[value.name]
+            inputs.append(InputSpec(value.name, kind, source))
+        else:
+            raise OrtfxExportError(
+                f"the exported graph has an input {value.name!r} that is neither a user input nor "
+                "a parameter or buffer of the module; this is an ortfx bug, please report it."
+            )
+    output_names = tuple(o.name for o in model.graph.output)
+    info = PostExportProcessedModelInfo(
+        model=model.SerializeToString(),
+        inputs=tuple(inputs),
+        input_schema=schema,
+        output_schema=flat.output_schema,
+        output_names=output_names,
+    )
+    tensor_outputs = [s for s in flat.output_schema.leaves if isinstance(s, TensorSpec)]
+    if len(tensor_outputs) != len(output_names):
+        raise OrtfxExportError(
+            f"the module returned {len(tensor_outputs)} tensors but the exported graph has "
+            f"{len(output_names)} outputs; this is an ortfx bug, please report it."
+        )
+    return info, time.perf_counter() - start
+
+
+def deepcopy_module(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy to export from, for modules whose forward mutates state while traced."""
+    return copy.deepcopy(module)
+
+
+def evolve_inputs(
+    info: PostExportProcessedModelInfo, inputs: Sequence[InputSpec]
+) -> PostExportProcessedModelInfo:
+    return attrs.evolve(info, inputs=tuple(inputs))

@@ -1,0 +1,430 @@
+"""``ORTModule``: the drop-in ``nn.Module`` wrapper. It holds one reference to an immutable
+:class:`~ortfx.transitions.ExportState` and swaps it whole after each successful transition."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import onnx
+import torch
+
+from ortfx import io, passes
+from ortfx.errors import (
+    DATA_PARALLEL,
+    INPUT_ON_OTHER_DEVICE,
+    NOT_A_MODULE,
+    PARAMS_ON_SEVERAL_DEVICES,
+    OrtfxDeviceError,
+    OrtfxTorchModelError,
+    OrtfxWarning,
+)
+from ortfx.export import export, resolve_exporter
+from ortfx.model_info import PostExportProcessedModelInfo
+from ortfx.options import ExportOptions, Options
+from ortfx.runtime.autograd import RunORT
+from ortfx.runtime.session import InferenceRunner, Timings, TrainingRunner, require_ort
+from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
+from ortfx.transitions import (
+    REPEATED_REEXPORT,
+    Call,
+    Decision,
+    ExportKey,
+    ExportState,
+    GradState,
+    NewSession,
+    Reexport,
+    Reprocess,
+    Reuse,
+    SessionKey,
+    Stats,
+    Transition,
+    apply,
+    bump_module_version,
+    decide,
+    decision_name,
+)
+
+logger = logging.getLogger("ortfx")
+
+VERSIONS = (torch.__version__, onnx.__version__)
+
+
+class Compiled:
+    """The shell's artifacts for one cache entry: the processed graph and its lazy runners."""
+
+    def __init__(self, info: PostExportProcessedModelInfo, timings: Timings) -> None:
+        self.info = info
+        self.timings = timings
+        self.training: TrainingRunner | None = None
+        self.inference: InferenceRunner | None = None
+
+
+@attrs.frozen
+class Tracked:
+    """The module's parameters and buffers as the graph sees them; rebuilt when they change."""
+
+    param_names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    named_tensors: Mapping[str, torch.Tensor]
+    device: torch.device
+
+
+def _track(module: torch.nn.Module) -> Tracked:
+    params = dict(module.named_parameters())
+    named: dict[str, torch.Tensor] = {**params, **dict(module.named_buffers())}
+    devices = {t.device for t in named.values()}
+    if len(devices) > 1:
+        raise OrtfxDeviceError(
+            PARAMS_ON_SEVERAL_DEVICES.format(devices=", ".join(sorted(map(str, devices))))
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    return Tracked(tuple(params), tuple(params.values()), named, device)
+
+
+# Names that live on the wrapper itself; everything else is forwarded to the user's module.
+_OWN = frozenset({"training", "forward", "_original_module"})
+
+
+class ORTModule(torch.nn.Module):
+    """Runs ``module``'s forward and backward in ONNX Runtime; otherwise behaves like it.
+
+    ``parameters()``, ``state_dict()``, attributes and user-defined methods are the wrapped
+    module's own; attributes set through the wrapper land on it and invalidate its graphs.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        debug_options: Any = None,
+        *,
+        options: Options | None = None,
+    ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise OrtfxTorchModelError(NOT_A_MODULE.format(type_name=type(module).__qualname__))
+        parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+        if isinstance(module, parallel):
+            raise OrtfxTorchModelError(DATA_PARALLEL.format(type_name=type(module).__name__))
+        if isinstance(module, ORTModule):
+            raise OrtfxTorchModelError(
+                "ortfx.ORTModule was given a module that is already an ORTModule; wrap the "
+                "original module once."
+            )
+        require_ort()
+        super().__init__()
+        torch.nn.Module.__setattr__(self, "_original_module", module)
+        object.__setattr__(self, "training", module.training)
+        self._ortfx_setup(options or Options(), debug_options)
+
+    # ---- construction, pickling -----------------------------------------------------------
+
+    def _ortfx_setup(self, options: Options, debug_options: Any) -> None:
+        module = self._original_module
+        own = self.__dict__
+        own["_ortfx_options"] = options
+        own["_ortfx_debug"] = debug_options
+        own["_ortfx_exporter"] = resolve_exporter(options.exporter)
+        own["_ortfx_state"] = ExportState[Compiled](maxsize=options.cache_size)
+        own["_ortfx_tracked"] = None
+        own["_ortfx_exporting"] = False
+        own["_ortfx_dynamic"] = frozenset(options.dynamic_scalars)
+        # The wrapper's forward shows the user's signature (inspect, IDEs, HF's argument checks).
+        call = functools.partial(ORTModule._ortfx_forward, self)
+        forward = functools.update_wrapper(lambda *a, **k: call(*a, **k), module.forward)
+        forward.__signature__ = inspect.signature(module.forward)  # type: ignore[attr-defined]
+        own["forward"] = forward
+        # User-defined methods run with the wrapper as self, so their self(...) goes through ORT.
+        for name, fn in _user_methods(type(module)):
+            own.setdefault(name, types.MethodType(fn, self))
+        own["_ortfx_bound"] = tuple(name for name, _ in _user_methods(type(module)))
+        own["_ortfx_hooks"] = _watch(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if not k.startswith("_ortfx") and k != "forward" and k not in self._ortfx_bound
+        }
+        state["_ortfx_pickled"] = (self._ortfx_options, self._ortfx_debug)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options, debug = state.pop("_ortfx_pickled")
+        self.__dict__.update(state)
+        self._ortfx_setup(options, debug)
+
+    # ---- delegation of the nn.Module API ---------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_original_module":
+            return super().__getattr__(name)
+        return getattr(self._original_module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN or name.startswith("_ortfx"):
+            object.__setattr__(self, name, value)
+            return
+        setattr(self._original_module, name, value)
+        self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OWN or name.startswith("_ortfx"):
+            object.__delattr__(self, name)
+            return
+        delattr(self._original_module, name)
+        self._ortfx_invalidate(f"attribute {name!r} deleted through the wrapper")
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        return self._original_module.named_children()
+
+    def named_modules(  # type: ignore[override]
+        self, memo: set[torch.nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Module]]:
+        return self._original_module.named_modules(memo, prefix, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        result = self._original_module.load_state_dict(state_dict, strict, assign)
+        if assign:  # new tensor objects replace the parameters
+            self._ortfx_invalidate("load_state_dict(assign=True) replaced the parameters")
+        return result
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        self._original_module.register_buffer(name, tensor, persistent)
+        self._ortfx_invalidate(f"buffer {name!r} registered through the wrapper")
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        self._original_module.register_parameter(name, param)
+        self._ortfx_invalidate(f"parameter {name!r} registered through the wrapper")
+
+    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
+        self._original_module.add_module(name, module)
+        self._ortfx_invalidate(f"submodule {name!r} added through the wrapper")
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTModule:
+        before = [(t.dtype, t.shape) for t in self._original_module.state_dict().values()]
+        self._original_module._apply(fn, recurse)
+        after = [(t.dtype, t.shape) for t in self._original_module.state_dict().values()]
+        self.__dict__["_ortfx_tracked"] = None  # the device may have changed: track again
+        if before != after:
+            self._ortfx_invalidate("parameters or buffers changed dtype (.to()/.half()/...)")
+        return self
+
+    def extra_repr(self) -> str:
+        return f"exporter={self._ortfx_exporter!r}"
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _ortfx_invalidate(self, cause: str) -> None:
+        self.__dict__["_ortfx_tracked"] = None
+        self.__dict__["_ortfx_state"] = bump_module_version(self._ortfx_state, cause)
+
+    def _ortfx_tracked_now(self) -> Tracked:
+        tracked: Tracked | None = self._ortfx_tracked
+        if tracked is None or (tracked.params and tracked.params[0].device != tracked.device):
+            tracked = _track(self._original_module)
+            self.__dict__["_ortfx_tracked"] = tracked
+        return tracked
+
+    # ---- the call -------------------------------------------------------------------------
+
+    def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = io.flatten(io.call_tree(args, kwargs))
+        io.check_leaves(leaves, spec, root="call", where="input")
+        if self._ortfx_dynamic:
+            leaves = tensorize_scalars(leaves, spec, paths=self._ortfx_dynamic)
+        schema = ModelSchema.from_flat(leaves, spec)
+        tracked = self._ortfx_tracked_now()
+        _check_input_devices(leaves, schema, tracked.device)
+        state: ExportState[Compiled] = self._ortfx_state
+        call = Call(
+            ExportKey(
+                schema,
+                self.training,
+                state.module_version,
+                ExportOptions(self._ortfx_exporter, self._ortfx_options.opset_version),
+                VERSIONS,
+            ),
+            GradState(
+                schema.requires_grad,
+                tuple(p.requires_grad for p in tracked.params),
+                tracked.param_names,
+            ),
+            SessionKey(str(tracked.device), torch.are_deterministic_algorithms_enabled()),
+        )
+        decision = decide(state, call)
+        if isinstance(decision, Reuse):
+            entry = state.lookup(call.key)
+            assert entry is not None
+            compiled = entry.payload
+        else:
+            compiled = self._ortfx_realize(decision, state, call, leaves, args, kwargs)
+        new_state = apply(state, call, decision, compiled)
+        inputs = compiled.info.construct_inputs_flat(leaves, tracked.named_tensors)
+        needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
+        options = self._ortfx_options
+        if needs_grad:
+            if compiled.training is None:
+                compiled.training = TrainingRunner(
+                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
+                    tracked.device,
+                    options,
+                    deterministic=call.session.deterministic,
+                )
+                self._ortfx_log_runner("training", compiled.training)
+            outputs = RunORT.apply(compiled.training, *inputs)
+        else:
+            if compiled.inference is None:
+                compiled.inference = InferenceRunner(
+                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
+                    tracked.device,
+                    options,
+                    deterministic=call.session.deterministic,
+                )
+                self._ortfx_log_runner("inference", compiled.inference)
+            outputs = compiled.inference.run(inputs)
+        self.__dict__["_ortfx_state"] = new_state
+        for path in sorted(new_state.warned - state.warned):
+            warnings.warn(
+                REPEATED_REEXPORT.format(path=path, count=dict(new_state.streaks)[path]),
+                OrtfxWarning,
+                stacklevel=3,
+            )
+        return compiled.info.restore_outputs(outputs)
+
+    def _ortfx_realize(
+        self,
+        decision: Decision,
+        state: ExportState[Compiled],
+        call: Call,
+        leaves: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Compiled:
+        """Do the effectful part of a transition; the old state stays valid if this raises."""
+        grad = call.grad
+        marks = passes.with_grad_requirements(
+            frozenset(i for i, rg in enumerate(grad.inputs) if rg),
+            frozenset(n for n, rg in zip(grad.param_names, grad.params, strict=True) if rg),
+        )
+        if isinstance(decision, Reexport):
+            # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
+            inspect.signature(self._original_module.forward).bind(*args, **kwargs)
+            self.__dict__["_ortfx_exporting"] = True
+            try:
+                raw, seconds = export(
+                    self._original_module, leaves, call.key.schema, call.key.options
+                )
+            finally:
+                self.__dict__["_ortfx_exporting"] = False
+            info = marks(passes.after_export(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
+            compiled = Compiled(info, Timings(export=seconds))
+        else:
+            entry = state.lookup(call.key)
+            assert entry is not None
+            info = marks(entry.payload.info) if isinstance(decision, Reprocess) else entry.payload.info
+            compiled = Compiled(info, Timings())
+        first = state.stats.exports == 0 and isinstance(decision, Reexport)
+        line = str(Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons))  # type: ignore[union-attr]
+        cost = f" [{compiled.timings.render()}]" if compiled.timings.export else ""
+        logger.info("%s%s", line, cost)
+        return compiled
+
+    def _ortfx_log_runner(self, kind: str, runner: TrainingRunner | InferenceRunner) -> None:
+        logger.info(
+            "%s session ready [%s]",
+            kind,
+            Timings(
+                gradient_build=runner.gradient_build_seconds, session=runner.session_seconds
+            ).render(),
+        )
+
+
+def _check_input_devices(leaves: list[Any], schema: ModelSchema, device: torch.device) -> None:
+    for i, spec in enumerate(schema.leaves):
+        if isinstance(spec, TensorSpec) and leaves[i].device != device:
+            raise OrtfxDeviceError(
+                INPUT_ON_OTHER_DEVICE.format(
+                    path=schema.paths[i], given=str(leaves[i].device), expected=str(device)
+                )
+            )
+
+
+def _user_methods(cls: type) -> list[tuple[str, Callable[..., Any]]]:
+    """Plain functions the user's classes define (not torch.nn.Module's, not forward)."""
+    found: dict[str, Callable[..., Any]] = {}
+    for klass in reversed(cls.__mro__):
+        if klass in torch.nn.Module.__mro__ or klass.__module__.startswith("torch."):
+            continue
+        for name, value in vars(klass).items():
+            if inspect.isfunction(value) and name != "forward" and not name.startswith("__"):
+                found[name] = value
+    return sorted(found.items())
+
+
+def _watch(wrapper: ORTModule) -> tuple[Any, ...]:
+    """Global registration hooks that invalidate the wrapper's graphs when a parameter, buffer
+    or submodule of its module is added or replaced, even when done on an inner module."""
+    ref = weakref.ref(wrapper)
+
+    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        owner = ref()
+        if owner is None or owner.__dict__.get("_ortfx_exporting"):
+            return
+        if any(module is m for m in owner._original_module.modules()):
+            kind = type(value).__name__ if value is not None else "None"
+            owner._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
+
+    from torch.nn.modules import module as torch_module
+
+    handles = (
+        torch_module.register_module_parameter_registration_hook(hook),
+        torch_module.register_module_buffer_registration_hook(hook),
+        torch_module.register_module_module_registration_hook(hook),
+    )
+    weakref.finalize(wrapper, lambda: [h.remove() for h in handles])
+    return handles
+
+
+def stats(model: torch.nn.Module) -> Stats:
+    """Counters of ``model`` (an ``ORTModule``): calls, exports, re-processes, sessions, hits."""
+    return _wrapper(model)._ortfx_state.stats
+
+
+def explain(model: torch.nn.Module) -> tuple[Transition, ...]:
+    """Every transition so far (exports, re-processes, new sessions) with its reasons."""
+    return _wrapper(model)._ortfx_state.history
+
+
+def invalidate(model: torch.nn.Module, reason: str = "ortfx.invalidate() was called") -> None:
+    """Force a re-export on the next call, after changing an inner module's plain attributes
+    directly (``model.block.scale = 2``), which ortfx cannot see cheaply."""
+    _wrapper(model)._ortfx_invalidate(reason)
+
+
+def _wrapper(model: torch.nn.Module) -> ORTModule:
+    if not isinstance(model, ORTModule):
+        raise TypeError(
+            f"expected an ortfx.ORTModule, got {type(model).__qualname__}; "
+            "wrap the model first: model = ortfx.ORTModule(model)."
+        )
+    return model

@@ -1,0 +1,246 @@
+"""The ONNX Runtime driver: gradient-graph build, sessions, and tensor crossing through DLPack.
+
+Only this module (and nothing in the pure core) imports onnxruntime.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ortfx.errors import CUDA_PROVIDER_MISSING, ORT_MISSING, OrtfxDeviceError, OrtfxInitError
+from ortfx.model_info import InputKind, PostExportProcessedModelInfo
+from ortfx.options import Options
+
+try:
+    import onnxruntime as ort
+    from onnxruntime.capi import _pybind_state as C
+
+    _IMPORT_ERROR: Exception | None = None
+except Exception as e:  # pragma: no cover - exercised only without the wheel
+    ort = C = None
+    _IMPORT_ERROR = e
+
+
+def require_ort() -> None:
+    if _IMPORT_ERROR is not None:
+        raise OrtfxInitError(ORT_MISSING.format(error=_IMPORT_ERROR))
+
+
+def ort_version() -> str:
+    require_ort()
+    return str(ort.__version__)
+
+
+@attrs.frozen
+class Timings:
+    """One-time costs, in seconds, for the log line and for users."""
+
+    export: float = 0.0
+    gradient_build: float = 0.0
+    session: float = 0.0
+
+    def render(self) -> str:
+        parts = [f"{k.replace('_', ' ')} {v:.3f} s" for k, v in attrs.asdict(self).items() if v]
+        return ", ".join(parts) or "no one-time cost"
+
+
+def _providers(device: torch.device) -> tuple[list[Any], Any]:
+    """Execution providers and the OrtDevice for ``device``."""
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"], C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    if device.type == "cuda":
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise OrtfxDeviceError(
+                CUDA_PROVIDER_MISSING.format(device=device, providers=", ".join(available))
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return (
+            [("CUDAExecutionProvider", {"device_id": str(index)}), "CPUExecutionProvider"],
+            C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), index),
+        )
+    raise OrtfxDeviceError(
+        f"the module is on {device}, but ortfx runs ONNX Runtime on 'cpu' or 'cuda' only. "
+        "Move the module with model.to('cpu') or model.to('cuda')."
+    )
+
+
+def session_options(options: Options, *, training: bool, deterministic: bool) -> Any:
+    so = ort.SessionOptions()
+    # Training: ORT would otherwise reuse a forward output's buffer during backward and silently
+    # overwrite the tensor the user holds.
+    so.enable_mem_reuse = not training
+    so.enable_mem_pattern = False  # shapes change from call to call
+    so.intra_op_num_threads = options.intra_op_threads or torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry(
+        "session.intra_op.allow_spinning", "1" if options.allow_spinning else "0"
+    )
+    if deterministic:
+        so.use_deterministic_compute = True
+    so.log_severity_level = 3
+    return so
+
+
+def _capsule(tensor: torch.Tensor) -> tuple[Any, bool]:
+    """A DLPack capsule for ORT and whether it carries a bool tensor."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dtype is torch.bool:
+        # ORT's DLPack reader has no bool type: cross as uint8 and flag it.
+        return torch.utils.dlpack.to_dlpack(tensor.to(torch.uint8)), True
+    return torch.utils.dlpack.to_dlpack(tensor), False
+
+
+def _to_ort(vector: Any, tensor: torch.Tensor) -> None:
+    vector.push_back(*_capsule(tensor))
+
+
+def _ort_value(tensor: torch.Tensor) -> Any:
+    return C.OrtValue.from_dlpack(*_capsule(tensor))
+
+
+def _to_torch(vector: Any) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = vector.to_dlpacks(torch.from_dlpack)
+    for i in vector.bool_tensor_indices():
+        tensors[i] = tensors[i].to(torch.bool)
+    return tensors
+
+
+class TrainingRunner:
+    """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later."""
+
+    def __init__(
+        self,
+        info: PostExportProcessedModelInfo,
+        device: torch.device,
+        options: Options,
+        *,
+        deterministic: bool,
+    ) -> None:
+        require_ort()
+        self.info = info
+        start = time.perf_counter()
+        config = C.OrtModuleGraphBuilderConfiguration()
+        config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
+        config.initializer_names_to_train = list(info.params_to_train)
+        config.input_names_require_grad = list(info.user_inputs_requiring_grad)
+        config.build_gradient_graph = True
+        config.enable_caching = False
+        config.use_memory_efficient_gradient = False
+        config.loglevel = C.Severity.ERROR
+        builder = C.OrtModuleGraphBuilder()
+        try:
+            builder.initialize(info.model, config)
+            builder.build(C.TrainingGraphTransformerConfiguration())
+        except Exception as e:
+            raise OrtfxInitError(
+                f"ONNX Runtime could not build the gradient graph: {e}. The exported graph has an "
+                "operator without a gradient in ORT 1.19; save the graphs with "
+                "DebugOptions(save_onnx=True, onnx_prefix=...) to see which, or let ortfx fall "
+                "back to PyTorch."
+            ) from e
+        self.graph_info = builder.get_graph_info()
+        self.gradient_model: bytes = builder.get_gradient_model()
+        self.gradient_build_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        providers, ort_device = _providers(device)
+        self.session = ort.InferenceSession(
+            self.gradient_model,
+            session_options(options, training=True, deterministic=deterministic),
+            providers=providers,
+        )
+        gi = self.graph_info
+        feeds = [*gi.user_input_names, *gi.initializer_names]
+        if feeds != [i.name for i in info.inputs]:
+            raise OrtfxInitError(
+                f"ORT orders the graph inputs as {feeds}, ortfx as {[i.name for i in info.inputs]}; "
+                "this is an ortfx bug, please report it."
+            )
+        fetches = [o.name for o in self.session.get_outputs()]
+        # The device lists must match ORT's own counts exactly: a short list aborts the process.
+        n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
+        self.agent = C.TrainingAgent(
+            self.session._sess, feeds, [ort_device] * n_forward, fetches,
+            [ort_device] * len(fetches), 0,
+        )
+        self.session_seconds = time.perf_counter() - start
+        self.non_differentiable = frozenset(gi.output_grad_indices_non_differentiable)
+        self.full_shape = frozenset(gi.output_grad_indices_require_full_shape)
+        self.saved_outputs = tuple(gi.module_output_indices_requires_save_for_backward)
+        # Where each backward fetch goes among the autograd Function's inputs.
+        self.grad_slots = tuple(
+            k for k, spec in enumerate(info.inputs) if spec.requires_grad
+        )
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        feeds = C.OrtValueVector()
+        feeds.reserve(len(inputs))
+        for t in inputs:
+            _to_ort(feeds, t)
+        fetches = C.OrtValueVector()
+        run_state = C.PartialGraphExecutionState()
+        self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+        return _to_torch(fetches), run_state
+
+    def backward(
+        self,
+        run_state: Any,
+        grad_outputs: Sequence[torch.Tensor | None],
+        outputs_meta: Sequence[tuple[torch.Size, torch.dtype, torch.device]],
+    ) -> list[torch.Tensor]:
+        feeds = C.OrtValueVector()
+        for k, grad in enumerate(grad_outputs):
+            if k in self.non_differentiable:
+                continue
+            if grad is None:
+                shape, dtype, device = outputs_meta[k]
+                # An unused output's gradient is zero; most feed an Add and broadcast a scalar.
+                grad = torch.zeros(
+                    shape if k in self.full_shape else (), dtype=dtype, device=device
+                )
+            _to_ort(feeds, grad)
+        fetches = C.OrtValueVector()
+        self.agent.run_backward(feeds, fetches, run_state)
+        return _to_torch(fetches)
+
+
+class InferenceRunner:
+    """A plain session over the forward graph, fed through I/O binding."""
+
+    def __init__(
+        self,
+        info: PostExportProcessedModelInfo,
+        device: torch.device,
+        options: Options,
+        *,
+        deterministic: bool,
+    ) -> None:
+        require_ort()
+        self.info = info
+        start = time.perf_counter()
+        providers, _ = _providers(device)
+        self.session = ort.InferenceSession(
+            info.model,
+            session_options(options, training=False, deterministic=deterministic),
+            providers=providers,
+        )
+        _, self.ort_device = _providers(device)
+        self.session_seconds = time.perf_counter() - start
+        self.gradient_build_seconds = 0.0
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        binding = self.session.io_binding()._iobinding
+        for spec, tensor in zip(self.info.inputs, inputs, strict=True):
+            binding.bind_ortvalue_input(spec.name, _ort_value(tensor))
+        for name in self.info.output_names:
+            binding.bind_output(name, self.ort_device)
+        self.session._sess.run_with_iobinding(binding, None)
+        return _to_torch(binding.get_outputs())
