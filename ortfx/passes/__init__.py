@@ -7,12 +7,12 @@ input (graph edits happen on a private copy of the decoded model).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import onnx
 
-from ortfx.model_info import InputKind, PostExportProcessedModelInfo
+from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
 
 Pass = Callable[[PostExportProcessedModelInfo], PostExportProcessedModelInfo]
 
@@ -92,6 +92,67 @@ def separate_outputs(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def embedding_padding(padding: Mapping[str, int]) -> Pass:
+    """Keep PyTorch's ``padding_idx`` semantics: no gradient reaches an embedding's padding row.
+
+    The exported ``Gather`` forgets ``padding_idx``. At padding positions the result is taken from
+    a second, non-trainable feed of the same weight (an ``INTERNAL`` input), so the values are
+    identical and ORT's gradient skips exactly those positions. ``padding`` maps parameter names
+    to their ``padding_idx``.
+    """
+
+    def run(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+        weights = {
+            spec.name: spec
+            for spec in info.inputs
+            if spec.kind is InputKind.PARAMETER and spec.source in padding
+        }
+        if not weights:
+            return info
+        model = onnx.load_model_from_string(info.model)
+        values = {v.name: v for v in model.graph.input}
+        added: list[InputSpec] = []
+        nodes: list[onnx.NodeProto] = []
+        h = onnx.helper
+        for node in model.graph.node:
+            spec = weights.get(node.input[0]) if _standard(node, "Gather") else None
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if spec is None or axis != 0:
+                nodes.append(node)
+                continue
+            frozen = f"{spec.name}__no_grad"
+            if frozen not in values:
+                value = onnx.ValueInfoProto()
+                value.CopyFrom(values[spec.name])
+                value.name = frozen
+                values[frozen] = value
+                model.graph.input.append(value)
+                added.append(InputSpec(frozen, InputKind.INTERNAL, spec.source))
+            out, ids, tag = node.output[0], node.input[1], f"ortfx_pad_{len(nodes)}"
+            trained = h.make_node("Gather", [spec.name, ids], [f"{tag}_trained"], name=f"{tag}_g")
+            kept = h.make_node("Gather", [frozen, ids], [f"{tag}_kept"], name=f"{tag}_k")
+            index = h.make_node(
+                "Constant", [], [f"{tag}_idx"], name=f"{tag}_c",
+                value=h.make_tensor(f"{tag}_idx", onnx.TensorProto.INT64, [], [padding[str(spec.source)]]),
+            )
+            cast = h.make_node("Cast", [ids], [f"{tag}_ids"], name=f"{tag}_cast", to=onnx.TensorProto.INT64)
+            equal = h.make_node("Equal", [f"{tag}_ids", f"{tag}_idx"], [f"{tag}_is_pad"], name=f"{tag}_eq")
+            axes = h.make_node(
+                "Constant", [], [f"{tag}_axes"], name=f"{tag}_a",
+                value=h.make_tensor(f"{tag}_axes", onnx.TensorProto.INT64, [1], [-1]),
+            )
+            unsqueeze = h.make_node("Unsqueeze", [f"{tag}_is_pad", f"{tag}_axes"], [f"{tag}_mask"], name=f"{tag}_u")
+            where = h.make_node("Where", [f"{tag}_mask", f"{tag}_kept", f"{tag}_trained"], [out], name=f"{tag}_w")
+            nodes.extend([trained, kept, index, cast, equal, axes, unsqueeze, where])
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        return attrs.evolve(
+            info, model=model.SerializeToString(), inputs=(*info.inputs, *added)
+        )
+
+    return run
+
+
 def user_inputs_first(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
     """Order graph inputs as ORT's training agent feeds them: user inputs, then the rest."""
     order = sorted(info.inputs, key=lambda i: i.kind is not InputKind.USER)
@@ -144,5 +205,12 @@ def with_grad_requirements(
     return run
 
 
-# Applied once per export; grad requirements and seeds are applied per session.
-after_export: Pass = chain(add_layernorm_stats, add_dropout_masks, separate_outputs, user_inputs_first)
+def after_export(padding: Mapping[str, int]) -> Pass:
+    """The passes applied once per export; grad requirements and seeds come per session."""
+    return chain(
+        add_layernorm_stats,
+        add_dropout_masks,
+        separate_outputs,
+        embedding_padding(padding),
+        user_inputs_first,
+    )

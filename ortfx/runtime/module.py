@@ -336,7 +336,8 @@ class ORTModule(torch.nn.Module):
                 )
             finally:
                 self.__dict__["_ortfx_exporting"] = False
-            info = marks(passes.after_export(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
+            process = passes.after_export(_embedding_padding(self._original_module))
+            info = marks(process(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
             compiled = Compiled(info, Timings(export=seconds))
         else:
             entry = state.lookup(call.key)
@@ -357,6 +358,16 @@ class ORTModule(torch.nn.Module):
                 gradient_build=runner.gradient_build_seconds, session=runner.session_seconds
             ).render(),
         )
+
+
+def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:
+    """Parameter name -> padding_idx of every nn.Embedding that has one."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {
+        names[id(m.weight)]: m.padding_idx
+        for m in module.modules()
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None
+    }
 
 
 def _check_input_devices(leaves: list[Any], schema: ModelSchema, device: torch.device) -> None:

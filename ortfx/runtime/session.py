@@ -70,6 +70,21 @@ def _providers(device: torch.device) -> tuple[list[Any], Any]:
     )
 
 
+SESSION_FAILED = (
+    "ONNX Runtime could not create a {kind} session for the exported graph: {error}. "
+    "Usually an operator has no kernel for these dtypes on {device} in ORT 1.19 (e.g. integer "
+    "arithmetic on uint8); compute in a supported dtype, or let ortfx fall back to PyTorch."
+)
+
+
+def _session(model: bytes, so: Any, providers: list[Any], *, kind: str, device: torch.device) -> Any:
+    try:
+        return ort.InferenceSession(model, so, providers=providers)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OrtfxInitError(SESSION_FAILED.format(kind=kind, error=first, device=device)) from e
+
+
 def session_options(options: Options, *, training: bool, deterministic: bool) -> Any:
     so = ort.SessionOptions()
     # Training: ORT would otherwise reuse a forward output's buffer during backward and silently
@@ -152,10 +167,12 @@ class TrainingRunner:
 
         start = time.perf_counter()
         providers, ort_device = _providers(device)
-        self.session = ort.InferenceSession(
+        self.session = _session(
             self.gradient_model,
             session_options(options, training=True, deterministic=deterministic),
-            providers=providers,
+            providers,
+            kind="training",
+            device=device,
         )
         gi = self.graph_info
         feeds = [*gi.user_input_names, *gi.initializer_names]
@@ -227,10 +244,12 @@ class InferenceRunner:
         self.info = info
         start = time.perf_counter()
         providers, _ = _providers(device)
-        self.session = ort.InferenceSession(
+        self.session = _session(
             info.model,
             session_options(options, training=False, deterministic=deterministic),
-            providers=providers,
+            providers,
+            kind="inference",
+            device=device,
         )
         _, self.ort_device = _providers(device)
         self.session_seconds = time.perf_counter() - start

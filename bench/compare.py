@@ -1,0 +1,381 @@
+"""Training-step benchmark: PyTorch eager vs torch.compile vs ortfx, one fresh process per run.
+
+    python -m bench.compare --models all --backends eager,compile,ortfx --rounds 3 --steps 20 \
+        --threads 1
+
+Each (round, backend) runs in a fresh subprocess (nothing warm carries over: no allocator
+state, no inductor cache unless ``--compile-cache shared``), and the backend order rotates from
+round to round so that a slow phase of a shared machine does not always hit the same backend.
+Ratios are taken against eager *of the same round* and then summarised over rounds.
+
+Each worker builds the model with a fixed seed, wraps it, and runs ``--steps`` AdamW training
+steps (forward, loss, backward, optimizer step). It reports the first-step latency (export /
+compile included), the per-step times after ``--warmup`` steps, the peak RSS of the process
+(and of its children: inductor's compile workers) and the first losses.
+
+Results go to ``bench/results/compare-<stamp>.{jsonl,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from bench.models import EXTRA, MODELS
+
+BACKENDS = ("eager", "compile", "ortfx")
+N_LOSSES = 5
+
+
+# ---- worker ---------------------------------------------------------------------------------
+
+
+def wrap(model: Any, backend: str, threads: int, ortfx_options: dict[str, Any] | None = None) -> Any:
+    import torch
+
+    if backend == "eager":
+        return model
+    if backend == "compile":
+        return torch.compile(model)
+    if backend == "ortfx":
+        import ortfx
+        from bench import _compat
+
+        _compat.apply()
+        return ortfx.ORTModule(
+            model, options=ortfx.Options(intra_op_threads=threads, **(ortfx_options or {}))
+        )
+    raise SystemExit(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def train_steps(
+    model_name: str, backend: str, steps: int, threads: int, seed: int = 0
+) -> dict[str, Any]:
+    """Build, wrap and train in this process; return the measurements."""
+    import torch
+
+    from bench.models import build
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    model, make_batch, loss_fn = build(model_name, seed)
+    wrapped = wrap(model, backend, threads)
+    build_s = time.perf_counter() - start
+    rss_after_build = common.current_rss_mb()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times: list[float] = []
+    losses: list[float] = []
+    for step in range(steps):
+        args, kwargs = make_batch(step)
+        t0 = time.perf_counter()
+        loss = loss_fn(wrapped(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+    extra: dict[str, Any] = {}
+    if backend == "ortfx":
+        import ortfx
+
+        s = ortfx.stats(wrapped)
+        extra["ortfx_stats"] = {"calls": s.calls, "exports": s.exports}
+    return {
+        "model": model_name,
+        "backend": backend,
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "steps": steps,
+        "build_s": build_s,
+        "first_step_s": times[0],
+        "step_times_s": times,
+        "losses": losses,
+        "rss_after_build_mb": rss_after_build,
+        "peak_rss_mb": common.peak_rss_mb(),
+        "peak_rss_children_mb": common.peak_rss_mb(common.resource.RUSAGE_CHILDREN),
+        **extra,
+    }
+
+
+def worker(ns: argparse.Namespace) -> None:
+    common.pin(ns.pin)
+    common.quiet()
+    try:
+        result = train_steps(ns.model, ns.backend, ns.steps, ns.threads, ns.seed)
+        result["ok"] = True
+    except BaseException as e:  # report failures as data: one backend failing is a result
+        import traceback
+
+        result = {
+            "model": ns.model,
+            "backend": ns.backend,
+            "ok": False,
+            "error": f"{type(e).__name__}: {str(e)[:2000]}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    Path(ns.out).write_text(json.dumps(result))
+
+
+# ---- parent ---------------------------------------------------------------------------------
+
+
+def run_one(
+    model: str, backend: str, ns: argparse.Namespace, log: Path
+) -> dict[str, Any]:
+    env = common.thread_env(ns.threads)
+    cache: str | None = None
+    if backend == "compile" and ns.compile_cache == "fresh":
+        cache = tempfile.mkdtemp(prefix="inductor-bench-")
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [
+        sys.executable, "-m", "bench.compare", "--worker",
+        "--model", model, "--backend", backend, "--steps", str(ns.steps),
+        "--threads", str(ns.threads), "--seed", str(ns.seed), "--out", out,
+    ]  # fmt: skip
+    if ns.pin is not None:
+        cmd += ["--pin", str(ns.pin)]
+    start = time.perf_counter()
+    try:
+        with log.open("a") as logf:
+            logf.write(f"\n==== {model} {backend} ====\n")
+            logf.flush()
+            proc = subprocess.run(
+                cmd, env=env, cwd=common.ROOT, stdout=logf, stderr=logf, timeout=ns.timeout
+            )
+        text = Path(out).read_text() if Path(out).stat().st_size else ""
+        result = json.loads(text) if text else {
+            "model": model, "backend": backend, "ok": False,
+            "error": f"worker exited with {proc.returncode} and no result (see {log.name})",
+        }  # fmt: skip
+    except subprocess.TimeoutExpired:
+        result = {"model": model, "backend": backend, "ok": False, "error": "timeout"}
+    finally:
+        Path(out).unlink(missing_ok=True)
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def steady(r: dict[str, Any], warmup: int) -> list[float]:
+    return list(r.get("step_times_s", [])[warmup:])
+
+
+def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
+    """One row per (model, backend): statistics over rounds, ratios against same-round eager."""
+    rows = []
+    models = list(dict.fromkeys(r["model"] for r in records))
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    for model in models:
+        eager = {r["round"]: r for r in records if r["model"] == model and r["backend"] == "eager" and r["ok"]}
+        for backend in backends:
+            runs = [r for r in records if r["model"] == model and r["backend"] == backend]
+            ok = [r for r in runs if r["ok"]]
+            row: dict[str, Any] = {"model": model, "backend": backend, "runs": len(runs), "ok": len(ok)}
+            if not ok:
+                row["error"] = runs[0].get("error", "?") if runs else "not run"
+                rows.append(row)
+                continue
+            pooled = [t for r in ok for t in steady(r, warmup)]
+            per_round = [common.median(steady(r, warmup)) for r in ok]
+            ratios, loss_diffs = [], []
+            for r in ok:
+                e = eager.get(r["round"])
+                if e is None:
+                    continue
+                ratios.append(common.median(steady(r, warmup)) / common.median(steady(e, warmup)))
+                n = min(N_LOSSES, len(r["losses"]), len(e["losses"]))
+                loss_diffs.append(max(abs(a - b) for a, b in zip(r["losses"][:n], e["losses"][:n])))
+            row.update(
+                step_ms_median=1e3 * common.median(per_round),
+                step_ms_min=1e3 * min(pooled),
+                step_ms_max=1e3 * max(pooled),
+                ratio_median=common.median(ratios),
+                ratio_min=min(ratios) if ratios else float("nan"),
+                ratio_max=max(ratios) if ratios else float("nan"),
+                first_step_s=common.median([r["first_step_s"] for r in ok]),
+                first_step_s_max=max(r["first_step_s"] for r in ok),
+                peak_rss_mb=common.median([r["peak_rss_mb"] for r in ok]),
+                peak_rss_children_mb=common.median([r["peak_rss_children_mb"] for r in ok]),
+                loss_diff=max(loss_diffs) if loss_diffs else float("nan"),
+                losses=ok[0]["losses"][:N_LOSSES],
+            )
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str, Any]) -> str:
+    lines = [
+        f"# Training-step benchmark ({mach['date'][:10]})",
+        "",
+        f"Machine: {common.describe(mach)}",
+        "",
+        f"Command: `python -m bench.compare {' '.join(ns.argv)}`",
+        "",
+        f"{ns.rounds} rounds x {ns.steps} steps, AdamW, {ns.threads} thread(s)"
+        f"{f', pinned to cpu {ns.pin}' if ns.pin is not None else ''}; fresh process per "
+        f"(round, backend), backend order rotated per round; step times exclude the first "
+        f"{ns.warmup} steps; ratio = backend median / eager median of the same round, median "
+        f"(min-max) over rounds; first step includes export/compile"
+        f"{' (inductor cache fresh per process)' if ns.compile_cache == 'fresh' else ''}; "
+        "loss diff = max |loss - eager loss| over the first 5 steps.",
+        "",
+        "| model | backend | step ms median | min | max | ratio to eager | first step s | "
+        "peak RSS MB (children) | loss diff |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r.get("ok"):
+            lines.append(f"| {r['model']} | {r['backend']} | failed: {r.get('error', '?')[:120]} |||||||")
+            continue
+        children = f" (+{r['peak_rss_children_mb']:.0f})" if r["peak_rss_children_mb"] > 1 else ""
+        lines.append(
+            f"| {r['model']} | {r['backend']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} "
+            f"| {r['step_ms_max']:.1f} | {r['ratio_median']:.3f} ({r['ratio_min']:.2f}-"
+            f"{r['ratio_max']:.2f}) | {r['first_step_s']:.2f} | {r['peak_rss_mb']:.0f}{children} "
+            f"| {r['loss_diff']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    ok = [r for r in rows if r.get("ok")]
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    backends = list(dict.fromkeys(r["backend"] for r in ok))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(backends))
+    for j, backend in enumerate(backends):
+        xs, ratio, lo, hi, first = [], [], [], [], []
+        for i, model in enumerate(models):
+            r = next((r for r in ok if r["model"] == model and r["backend"] == backend), None)
+            if r is None:
+                continue
+            xs.append(i + (j - (len(backends) - 1) / 2) * width)
+            ratio.append(r["ratio_median"])
+            lo.append(r["ratio_median"] - r["ratio_min"])
+            hi.append(r["ratio_max"] - r["ratio_median"])
+            first.append(r["first_step_s"])
+        ax1.bar(xs, ratio, width, yerr=[lo, hi], capsize=3, label=backend)
+        ax2.bar(xs, first, width, label=backend)
+        for x, v in zip(xs, ratio):
+            ax1.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        for x, v in zip(xs, first):
+            ax2.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
+    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax1.set_ylabel("step time / eager (same round; lower is better)")
+    ax2.set_ylabel("first-step latency, s (log)")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, rotation=15, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parent(ns: argparse.Namespace) -> None:
+    models = list(MODELS) if ns.models == "all" else ns.models.split(",")
+    for m in models:
+        if m not in MODELS and m not in EXTRA:
+            raise SystemExit(f"unknown model {m!r}; choose from all, {', '.join([*MODELS, *EXTRA])}")
+    backends = ns.backends.split(",")
+    for b in backends:
+        if b not in BACKENDS:
+            raise SystemExit(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    if "eager" not in backends:
+        raise SystemExit("ratios are taken against eager: include it in --backends")
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = common.RESULTS / f"compare-{ns.tag or common.stamp()}"
+    log = stem.with_suffix(".log")
+    mach = common.machine()
+    print(common.describe(mach), flush=True)
+    records: list[dict[str, Any]] = []
+    jsonl = stem.with_suffix(".jsonl")
+    with jsonl.open("w") as f:
+        f.write(json.dumps({"machine": mach, "argv": ns.argv}) + "\n")
+    for model in models:
+        for rnd in range(ns.rounds):
+            k = rnd % len(backends)
+            for backend in backends[k:] + backends[:k]:
+                r = run_one(model, backend, ns, log)
+                r["round"] = rnd
+                records.append(r)
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+                if r["ok"]:
+                    st = steady(r, ns.warmup)
+                    print(
+                        f"{model:18s} round {rnd} {backend:8s} step {1e3 * common.median(st):8.1f} ms"
+                        f"  first {r['first_step_s']:6.2f} s  rss {r['peak_rss_mb']:6.0f} MB"
+                        f"  wall {r['wall_s']:5.1f} s",
+                        flush=True,
+                    )
+                else:
+                    print(f"{model:18s} round {rnd} {backend:8s} FAILED: {r['error'][:300]}", flush=True)
+    rows = summarise(records, ns.warmup)
+    table = markdown(rows, ns, mach)
+    stem.with_suffix(".md").write_text(table)
+    if plot(rows, stem.with_suffix(".png"), common.describe(mach)[:160]):
+        print(f"plot: {stem.with_suffix('.png')}")
+    print()
+    print(table)
+    print(f"results: {jsonl}, {stem.with_suffix('.md')}; worker logs: {log}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", "--model", default="gpt2-4x256",
+                   help=f"comma-separated, or 'all' ({', '.join(MODELS)}; extra: {', '.join(EXTRA)})")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the step times")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads, OMP/MKL threads and ortfx intra-op threads")
+    p.add_argument("--pin", type=int, nargs="?", const=0, default=None,
+                   help="pin each worker to this CPU (default 0 when given without a value)")
+    p.add_argument("--compile-cache", choices=("fresh", "shared"), default="fresh",
+                   help="fresh: a new inductor cache per process, so every first step is a cold compile")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="per worker, seconds")
+    p.add_argument("--tag", default="", help="results file stem (default: date and time)")
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    ns.argv = argv
+    if ns.worker:
+        ns.model = ns.models
+        worker(ns)
+    else:
+        parent(ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Small models the runtime tests train through ortfx and through plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortfx
+from ortfx import io
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 8, d_hidden: int = 32, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class GPTBlock(nn.Module):
+    """LayerNorm, causal attention with matmul+softmax, GELU MLP, residuals."""
+
+    def __init__(self, d: int = 32, n_head: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        hd = d // self.n_head
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.n_head, hd).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = self.drop(att.masked_fill(~causal, float("-inf")).softmax(dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc2(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    """Embedding, two GPT blocks and a head; returns the LM loss."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(GPTBlock(d, 4, dropout), GPTBlock(d, 4, dropout))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks(self.emb(ids)))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def transformer_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
+                                       batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config._attn_implementation = "eager"
+    return GPT2LMHeadModel(config)
+
+
+def tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    return BertForSequenceClassification(config)
+
+
+def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    assert a is not None and b is not None, (a is None, b is None)
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def clone_inputs(tree: Any) -> Any:
+    """Fresh leaf tensors (same values and requires_grad) for an independent run."""
+    leaves, spec = io.flatten(tree)
+    fresh = [
+        x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in leaves
+    ]
+    return io.unflatten(spec, fresh)
+
+
+def check_parity(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss: Callable[[Any], torch.Tensor],
+    tol: float = 1e-5,
+    wrapped: ortfx.ORTModule | None = None,
+) -> ortfx.ORTModule:
+    """Forward + backward through ortfx and through a deep copy in PyTorch; compare all."""
+    kwargs = kwargs or {}
+    reference = copy.deepcopy(model)
+    ort_model = wrapped if wrapped is not None else ortfx.ORTModule(model)
+    a_args, a_kwargs = clone_inputs(args), clone_inputs(kwargs)
+    b_args, b_kwargs = clone_inputs(args), clone_inputs(kwargs)
+    out_a = ort_model(*a_args, **a_kwargs)
+    out_b = reference(*b_args, **b_kwargs)
+    la, lb = loss(out_a), loss(out_b)
+    assert max_diff(la, lb) <= tol, ("loss", max_diff(la, lb))
+    la.backward()
+    lb.backward()
+    for (name, pa), (_, pb) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if pb.grad is None:
+            assert pa.grad is None, name
+            continue
+        assert max_diff(pa.grad, pb.grad) <= tol, (name, max_diff(pa.grad, pb.grad))
+    flat_a = [x for x in io.flatten((a_args, a_kwargs))[0] if isinstance(x, torch.Tensor)]
+    flat_b = [x for x in io.flatten((b_args, b_kwargs))[0] if isinstance(x, torch.Tensor)]
+    for xa, xb in zip(flat_a, flat_b, strict=True):
+        if xb.requires_grad:
+            assert max_diff(xa.grad, xb.grad) <= tol, ("input grad", max_diff(xa.grad, xb.grad))
+    return ort_model

@@ -1,0 +1,244 @@
+"""Transitions end to end, counted with ortfx.stats and explained with ortfx.explain."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from tests import models
+from tests.models import max_diff
+
+
+class Switchy(nn.Module):
+    """Python control flow on static arguments: each value needs its own graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, flag: Any = True, n: Any = 1, scale: Any = 1.0,
+                mode: Any = "a", extra: Any = None) -> torch.Tensor:
+        y = self.lin(x)
+        y = torch.relu(y) if flag else torch.tanh(y)
+        for _ in range(n):
+            y = y * scale
+        if mode == "b":
+            y = y + 1
+        if extra is not None:
+            y = y + extra
+        return y
+
+
+X = torch.randn(3, 4)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "reason"),
+    [
+        ({"flag": True}, {"flag": False}, "kwargs['flag'] was True, now False (a static bool value changed)"),
+        ({"n": 1}, {"n": 2}, "kwargs['n'] was 1, now 2 (a static int value changed)"),
+        ({"scale": 1.0}, {"scale": 0.5}, "kwargs['scale'] was 1.0, now 0.5 (a static float value changed)"),
+        ({"mode": "a"}, {"mode": "b"}, "kwargs['mode'] was 'a', now 'b' (a static str value changed)"),
+        ({"extra": None}, {"extra": torch.ones(3, 4)}, "kwargs['extra'] was None, now float32[?, ?] (None became a tensor)"),
+        ({"extra": torch.ones(3, 4)}, {"extra": None}, "kwargs['extra'] was float32[?, ?], now None (a tensor became None)"),
+        ({"extra": torch.ones(3, 4)}, {"extra": torch.ones(4)}, "kwargs['extra'] was float32[?, ?], now float32[?] (a tensor's rank changed)"),
+    ],
+)
+def test_static_and_structural_changes_reexport_once_with_pytorch_result(
+    first: dict[str, Any], second: dict[str, Any], reason: str
+) -> None:
+    torch.manual_seed(0)
+    model = Switchy()
+    wrapped = ortfx.ORTModule(model)
+    for kwargs in (first, second, second):
+        out = wrapped(X, **kwargs)
+        assert max_diff(out, model(X, **kwargs)) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 2
+    assert str(ortfx.explain(wrapped)[-1]) == "re-export: " + reason
+
+
+def test_dtype_change_reexports() -> None:
+    # Without grad: ORT 1.19's CPU provider has no float64 ReluGrad kernel.
+    model = Switchy().double()
+    wrapped = ortfx.ORTModule(model)
+    with torch.no_grad():
+        wrapped(X.double(), extra=torch.ones(3, 4, dtype=torch.float64))
+        out = wrapped(X.double(), extra=torch.ones(3, 4, dtype=torch.float32))
+        assert out.dtype == torch.float64
+        assert max_diff(out, model(X.double(), extra=torch.ones(3, 4))) <= 1e-12
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-export: kwargs['extra'] was float64[?, ?], now float32[?, ?] (a tensor's dtype changed)"
+    )
+
+
+def test_input_requires_grad_flip_reprocesses_and_fills_grad() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    wrapped(X).sum().backward()
+    x = X.clone().requires_grad_()
+    wrapped(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.reprocesses) == (1, 1)
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-process: args[0] was requires_grad=False, now requires_grad=True "
+        "(an input's requires_grad changed)"
+    )
+
+
+def test_parameter_requires_grad_flip_reprocesses() -> None:
+    model = Switchy()
+    wrapped = ortfx.ORTModule(model)
+    wrapped(X).sum().backward()
+    model.lin.bias.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    wrapped(X).sum().backward()
+    assert model.lin.bias.grad is None and model.lin.weight.grad is not None
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.reprocesses) == (1, 1)
+    assert "parameter 'lin.bias' was requires_grad=True, now requires_grad=False" in str(
+        ortfx.explain(wrapped)[-1]
+    )
+
+
+def test_deterministic_algorithms_toggle_makes_only_a_new_session() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    wrapped(X).sum().backward()
+    try:
+        torch.use_deterministic_algorithms(True)
+        wrapped(X).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.reprocesses, s.sessions) == (1, 0, 2)
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "new session: deterministic algorithms was off, now on "
+        "(torch.use_deterministic_algorithms changed)"
+    )
+
+
+def test_train_eval_switching_exports_each_mode_once() -> None:
+    wrapped = ortfx.ORTModule(models.GPTBlock(dropout=0.1))
+    x = torch.randn(2, 5, 32)
+    for _ in range(3):
+        wrapped.train()
+        wrapped(x).sum().backward()
+        wrapped.eval()
+        with torch.no_grad():
+            wrapped(x)
+    assert ortfx.stats(wrapped).exports == 2
+    assert [t.kind for t in ortfx.explain(wrapped)] == ["export", "re-export"]
+
+
+def test_returning_to_an_earlier_schema_hits_the_cache() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    for flag in (True, False, True, False):
+        wrapped(X, flag=flag)
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.cache_hits, s.calls) == (2, 2, 4)
+
+
+def test_no_grad_in_train_mode_keeps_dropout_on() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5))
+    wrapped = ortfx.ORTModule(model)
+    x = torch.ones(8, 64)
+    with torch.no_grad():
+        out = wrapped(x)
+    zeros = float((out == 0).float().mean())
+    assert 0.3 < zeros < 0.7  # dropout active: about half the activations are zeroed
+    wrapped.eval()
+    with torch.no_grad():
+        assert max_diff(wrapped(x), model(x)) <= 1e-6
+
+
+def _dropout_losses() -> list[float]:
+    torch.manual_seed(1234)
+    model = models.TinyGPT(dropout=0.2)
+    wrapped = ortfx.ORTModule(model)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    losses = []
+    for _ in range(4):
+        ids = torch.randint(0, 64, (2, 8))
+        opt.zero_grad()
+        loss = wrapped(ids, ids)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_same_seed_gives_same_losses_with_dropout() -> None:
+    first, second = _dropout_losses(), _dropout_losses()
+    assert first == second
+    assert len(set(first)) == 4
+
+
+def test_repeated_reexports_of_one_argument_warn_once_naming_the_option() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    with pytest.warns(ortfx.OrtfxWarning) as record:
+        for n in range(1, 7):
+            wrapped(X, n=n)
+    assert len(record) == 1
+    assert str(record[0].message).startswith(
+        "kwargs['n'] forced 3 re-exports in a row because its static value keeps changing"
+    )
+    assert "Options(dynamic_scalars=(\"kwargs['n']\",))" in str(record[0].message)
+
+
+def test_dynamic_scalars_feed_a_float_as_tensor_without_reexport() -> None:
+    model = Switchy()
+    wrapped = ortfx.ORTModule(model, options=ortfx.Options(dynamic_scalars=("kwargs['scale']",)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        for scale in (0.5, 2.0, 3.0):
+            assert max_diff(wrapped(X, scale=scale), model(X, scale=scale)) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 1
+
+
+def test_attribute_set_through_wrapper_reexports() -> None:
+    model = models.GPTBlock()
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(1, 4, 32)
+    wrapped(x)
+    wrapped.n_head = 2
+    assert model.n_head == 2
+    assert max_diff(wrapped(x), model(x)) <= 1e-6
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-export: module was version 0, now version 1 (attribute 'n_head' set through the wrapper)"
+    )
+
+
+def test_inner_parameter_replacement_is_detected() -> None:
+    model = Switchy()
+    wrapped = ortfx.ORTModule(model)
+    wrapped(X)
+    model.lin = nn.Linear(4, 4)  # bypasses the wrapper; the registration hook sees it
+    assert max_diff(wrapped(X), model(X)) <= 1e-6
+    assert "'lin' of Switchy set to a Linear" in str(ortfx.explain(wrapped)[-1])
+
+
+def test_invalidate_after_inner_plain_attribute_change() -> None:
+    model = nn.Sequential(models.GPTBlock())
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(1, 4, 32)
+    wrapped(x)
+    model[0].n_head = 2  # a plain attribute of an inner module: invisible without a per-call scan
+    ortfx.invalidate(wrapped)
+    assert max_diff(wrapped(x), model(x)) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 2
+
+
+def test_failed_call_leaves_state_unchanged() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    wrapped(X)
+    before = copy.copy(ortfx.stats(wrapped))
+    with pytest.raises(ortfx.OrtfxIOError):
+        wrapped(X, extra=object())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        wrapped(X, bogus=1)
+    assert ortfx.stats(wrapped) == before
