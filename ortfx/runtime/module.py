@@ -144,7 +144,7 @@ class ORTModule(torch.nn.Module):
         for name, fn in _user_methods(type(module)):
             own.setdefault(name, types.MethodType(fn, self))
         own["_ortfx_bound"] = tuple(name for name, _ in _user_methods(type(module)))
-        own["_ortfx_hooks"] = _watch(self)
+        _watch(self)
 
     def __getstate__(self) -> dict[str, Any]:
         state = {
@@ -199,6 +199,15 @@ class ORTModule(torch.nn.Module):
     ) -> Iterator[tuple[str, torch.nn.Module]]:
         return self._original_module.named_modules(memo, prefix, remove_duplicate)
 
+    def train(self, mode: bool = True) -> ORTModule:
+        object.__setattr__(self, "training", mode)
+        self._original_module.train(mode)
+        return self
+
+    def apply(self, fn: Callable[[torch.nn.Module], None]) -> ORTModule:  # type: ignore[override]
+        self._original_module.apply(fn)
+        return self
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._original_module.state_dict(*args, **kwargs)
 
@@ -243,6 +252,7 @@ class ORTModule(torch.nn.Module):
         if tracked is None or (tracked.params and tracked.params[0].device != tracked.device):
             tracked = _track(self._original_module)
             self.__dict__["_ortfx_tracked"] = tracked
+            self.__dict__["_ortfx_watched"] = frozenset(map(id, self._original_module.modules()))
         return tracked
 
     # ---- the call -------------------------------------------------------------------------
@@ -392,28 +402,36 @@ def _user_methods(cls: type) -> list[tuple[str, Callable[..., Any]]]:
     return sorted(found.items())
 
 
-def _watch(wrapper: ORTModule) -> tuple[Any, ...]:
-    """Global registration hooks that invalidate the wrapper's graphs when a parameter, buffer
-    or submodule of its module is added or replaced, even when done on an inner module."""
-    ref = weakref.ref(wrapper)
+_LIVE: weakref.WeakSet[ORTModule] = weakref.WeakSet()
+_HOOKS: list[Any] = []
 
-    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
-        owner = ref()
-        if owner is None or owner.__dict__.get("_ortfx_exporting"):
-            return
-        if any(module is m for m in owner._original_module.modules()):
-            kind = type(value).__name__ if value is not None else "None"
-            owner._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
 
-    from torch.nn.modules import module as torch_module
+def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Invalidate the graphs of every wrapper whose module tree contains ``module``: a
+    parameter, buffer or submodule was added or replaced, even directly on an inner module."""
+    for wrapper in list(_LIVE):
+        own = wrapper.__dict__
+        if own.get("_ortfx_exporting") or id(module) not in own.get("_ortfx_watched", ()):
+            continue
+        kind = type(value).__name__ if value is not None else "None"
+        wrapper._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
 
-    handles = (
-        torch_module.register_module_parameter_registration_hook(hook),
-        torch_module.register_module_buffer_registration_hook(hook),
-        torch_module.register_module_module_registration_hook(hook),
-    )
-    weakref.finalize(wrapper, lambda: [h.remove() for h in handles])
-    return handles
+
+def _watch(wrapper: ORTModule) -> None:
+    # One set of global hooks for the process, registered once and never removed: removing
+    # hooks from a finalizer can run while torch iterates over them.
+    if not _HOOKS:
+        from torch.nn.modules import module as torch_module
+
+        _HOOKS.extend(
+            (
+                torch_module.register_module_parameter_registration_hook(_on_registration),
+                torch_module.register_module_buffer_registration_hook(_on_registration),
+                torch_module.register_module_module_registration_hook(_on_registration),
+            )
+        )
+    wrapper.__dict__["_ortfx_watched"] = frozenset(map(id, wrapper._original_module.modules()))
+    _LIVE.add(wrapper)
 
 
 def stats(model: torch.nn.Module) -> Stats:
