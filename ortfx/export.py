@@ -16,7 +16,6 @@ Two exporters sit behind :func:`export`:
 from __future__ import annotations
 
 import contextlib
-import copy
 import io as _io
 import random
 import re
@@ -25,7 +24,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 import onnx
 import torch
@@ -56,7 +54,7 @@ NO_TORCHSCRIPT_EXPORTER = (
 def torchscript_available() -> bool:
     """Whether this torch still ships the TorchScript exporter (moved in 2.9, deprecated)."""
     try:
-        import torch.onnx._internal.torchscript_exporter  # noqa: F401
+        import torch.onnx._internal.torchscript_exporter
     except ImportError:
         return hasattr(torch.onnx, "utils") and hasattr(torch.onnx.utils, "_export")
     return True
@@ -75,7 +73,7 @@ def preserved_random_state() -> Iterator[None]:
     py_state = random.getstate()
     np_state = np.random.get_state()
     torch_state = torch.random.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
     try:
         yield
     finally:
@@ -156,7 +154,7 @@ def _export_torchscript(
         torch.onnx.export(
             flat,
             tensors,
-            buffer,
+            buffer,  # type: ignore[arg-type]  # file-like objects are accepted
             dynamo=False,
             do_constant_folding=False,
             export_params=False,
@@ -194,14 +192,16 @@ def _export_dynamo(
             )
 
     weights = tuple(state[n].detach() for n in names)
-    dims = tuple(
-        {d: torch.export.Dim.AUTO for d in range(t.dim())} for t in (*tensors, *weights)
-    )
-    # Parameters are fixed-size; only user inputs get dynamic dims.
-    dims = tuple(d if i < len(tensors) else None for i, d in enumerate(dims))
+    # Every dim of a user input is dynamic; parameters are fixed-size.
+    dims: list[dict[int, Any] | None] = [
+        {d: torch.export.Dim.AUTO for d in range(t.dim())} for t in tensors
+    ]
+    dims += [None] * len(weights)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(Functional(), (*tensors, *weights), dynamic_shapes=(dims,))
+        program = torch.export.export(
+            Functional(), (*tensors, *weights), dynamic_shapes=(tuple(dims),)
+        )
         onnx_program = torch.onnx.export(
             program,
             dynamo=True,
@@ -285,14 +285,3 @@ def export(
             f"{len(output_names)} outputs; this is an ortfx bug, please report it."
         )
     return info, time.perf_counter() - start
-
-
-def deepcopy_module(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy to export from, for modules whose forward mutates state while traced."""
-    return copy.deepcopy(module)
-
-
-def evolve_inputs(
-    info: PostExportProcessedModelInfo, inputs: Sequence[InputSpec]
-) -> PostExportProcessedModelInfo:
-    return attrs.evolve(info, inputs=tuple(inputs))

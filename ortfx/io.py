@@ -34,9 +34,11 @@ _registered: set[type] = set()
 CallTree = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _flatten_fields(names: tuple[str, ...]) -> Callable[[Any], Any]:
+def _flatten_fields(attributes: tuple[str, ...], keys: tuple[str, ...]) -> Callable[[Any], Any]:
+    """Children are the ``attributes``; metadata and path entries are the ``__init__`` ``keys``."""
+
     def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...], tuple[str, ...]]:
-        return [getattr(obj, n) for n in names], names, names
+        return [getattr(obj, n) for n in attributes], keys, keys
 
     return flatten
 
@@ -67,35 +69,24 @@ def _register_node_type(cls: type) -> bool:
     """Register ``cls`` as a node in our namespace if it is a container we support."""
     if cls in _registered:
         return False
+    flatten: Callable[[Any], Any]
+    unflatten: Callable[[Any, Any], Any]
     if issubclass(cls, collections.abc.Mapping):
-        optree.register_pytree_node(
-            cls, _flatten_mapping, _unflatten_mapping(cls), namespace=NAMESPACE
-        )
+        flatten, unflatten = _flatten_mapping, _unflatten_mapping(cls)
     elif dataclasses.is_dataclass(cls):
-        names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
-        optree.register_pytree_node(
-            cls, _flatten_fields(names), _unflatten_kwargs(cls), namespace=NAMESPACE
-        )
+        fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+        flatten, unflatten = _flatten_fields(fields, fields), _unflatten_kwargs(cls)
     elif attrs.has(cls):
-        names = tuple(a.alias for a in attrs.fields(cls) if a.init)
-        attr_names = tuple(a.name for a in attrs.fields(cls) if a.init)
-        flatten = _flatten_fields(attr_names)
+        init = [a for a in attrs.fields(cls) if a.init]
+        # attrs' __init__ takes the alias (``_y`` is passed as ``y``).
+        flatten = _flatten_fields(tuple(a.name for a in init), tuple(a.alias for a in init))
         unflatten = _unflatten_kwargs(cls)
-        optree.register_pytree_node(
-            cls,
-            lambda obj: (flatten(obj)[0], names, names),
-            unflatten,
-            namespace=NAMESPACE,
-        )
     elif issubclass(cls, torch.Size):
-        optree.register_pytree_node(
-            cls,
-            lambda s: (list(s), None, None),
-            lambda _, children: torch.Size(children),
-            namespace=NAMESPACE,
-        )
+        flatten, unflatten = (lambda s: (list(s), None, None)), (lambda _, c: torch.Size(c))
     else:
         return False
+    register: Any = optree.register_pytree_node  # its stub wants Collection subclasses only
+    register(cls, flatten, unflatten, namespace=NAMESPACE)
     _registered.add(cls)
     return True
 

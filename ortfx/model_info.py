@@ -11,7 +11,7 @@ import torch
 
 from ortfx import io
 from ortfx.errors import OrtfxIOError
-from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
+from ortfx.schema import ModelSchema, StaticSpec, tensorize_scalars
 
 
 class InputKind(enum.Enum):
@@ -96,7 +96,7 @@ class PostExportProcessedModelInfo:
             )
         tensors = iter(flat)
         leaves = [
-            next(tensors) if isinstance(s, TensorSpec) else s.value  # type: ignore[union-attr]
+            s.value if isinstance(s, StaticSpec) else next(tensors)
             for s in self.output_schema.leaves
         ]
         return io.unflatten(self.output_schema.treespec, leaves)

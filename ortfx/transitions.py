@@ -180,6 +180,7 @@ def bump_module_version(state: ExportState[P], cause: str) -> ExportState[P]:
 
 
 def _leaf_reason(path: str, seen: LeafSpec, given: LeafSpec) -> Reason:
+    why = "the leaf changed"
     if isinstance(seen, StaticSpec) and isinstance(given, StaticSpec):
         if type(seen.value) is type(given.value):
             why = f"a static {seen.kind} value changed"
@@ -190,7 +191,7 @@ def _leaf_reason(path: str, seen: LeafSpec, given: LeafSpec) -> Reason:
         why = f"a tensor's {' and '.join(changed)} changed"
     elif isinstance(seen, StaticSpec):
         why = "None became a tensor" if seen.value is None else "a static value became a tensor"
-    else:
+    elif isinstance(given, StaticSpec):
         why = "a tensor became None" if given.value is None else "a tensor became a static value"
     return Reason(path, seen.render(), given.render(), why)
 
@@ -341,9 +342,8 @@ def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> 
     if isinstance(decision, Reuse):
         entries = state.entries
         if entries[-1].key != call.key:  # move the hit to the most-recent end
-            entries = tuple(e for e in entries if e.key != call.key) + (
-                Entry(call.key, call.grad, call.session, payload),
-            )
+            kept = tuple(e for e in entries if e.key != call.key)
+            entries = (*kept, Entry(call.key, call.grad, call.session, payload))
         return attrs.evolve(
             state,
             entries=entries,

@@ -30,7 +30,9 @@ def test_output_trees_round_trip(tree: Any) -> None:
 
 
 @given(calls)
-def test_one_path_per_leaf_and_paths_are_unique(call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+def test_one_path_per_leaf_and_paths_are_unique(
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+) -> None:
     """Every leaf gets a distinct readable path rooted at args or kwargs."""
     schema = ModelSchema.from_call(*call)
     assert len(schema.paths) == len(schema.leaves)
@@ -44,9 +46,9 @@ def test_schema_ignores_values_of_tensors_but_not_of_statics(
 ) -> None:
     """Rebuilding the call with fresh tensors of other sizes keeps the schema equal."""
     leaves, spec = io.flatten(io.call_tree(*call))
-    fresh = [
-        x.new_ones([s + 1 for s in x.shape]) if hasattr(x, "new_ones") else x for x in leaves
-    ]
+    fresh = [x.new_ones([s + 1 for s in x.shape]) if hasattr(x, "new_ones") else x for x in leaves]
     assert ModelSchema.from_flat(fresh, spec) == ModelSchema.from_flat(leaves, spec)
-    tensor_specs = [s for s in ModelSchema.from_flat(leaves, spec).leaves if isinstance(s, TensorSpec)]
+    tensor_specs = [
+        s for s in ModelSchema.from_flat(leaves, spec).leaves if isinstance(s, TensorSpec)
+    ]
     assert all(s.rank >= 0 for s in tensor_specs)

@@ -47,8 +47,13 @@ VERSIONS = ("2.13.0", "1.17")
 
 
 def make_call(
-    schema_i: int, training: bool, version: int, options_i: int,
-    params_grad: tuple[bool, bool], device: str, deterministic: bool,
+    schema_i: int,
+    training: bool,
+    version: int,
+    options_i: int,
+    params_grad: tuple[bool, bool],
+    device: str,
+    deterministic: bool,
 ) -> Call:
     schema = SCHEMAS[schema_i]
     key = ExportKey(schema, training, ModuleVersion(version), OPTIONS[options_i], VERSIONS)
@@ -146,7 +151,9 @@ class TransitionMachine(RuleBasedStateMachine):
             assert getattr(stats, name) == self.expected[name], name
 
 
-TransitionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TransitionMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)
 TestTransitionMachine = TransitionMachine.TestCase
 
 

@@ -67,16 +67,25 @@ class TinyGPT(nn.Module):
 
 
 def transformer_encoder() -> nn.Module:
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
-                                       batch_first=True)
+    layer = nn.TransformerEncoderLayer(
+        d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True
+    )
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
 
 
 def tiny_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
@@ -84,9 +93,17 @@ def tiny_gpt2() -> nn.Module:
 def tiny_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=3,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     config._attn_implementation = "eager"
     return BertForSequenceClassification(config)
 
@@ -127,7 +144,9 @@ def check_parity(
     assert max_diff(la, lb) <= tol, ("loss", max_diff(la, lb))
     la.backward()
     lb.backward()
-    for (name, pa), (_, pb) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+    for (name, pa), (_, pb) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
         if pb.grad is None:
             assert pa.grad is None, name
             continue

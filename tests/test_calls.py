@@ -27,8 +27,14 @@ class Kinds(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, *rest: Any,
-                scale: float = 1.0, **extra: Any) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None = None,
+        *rest: Any,
+        scale: float = 1.0,
+        **extra: Any,
+    ) -> torch.Tensor:
         out = self.lin(x) * scale
         if y is not None:
             out = out + y
@@ -43,8 +49,12 @@ class Kinds(nn.Module):
 def test_positional_keyword_varargs_and_kwargs() -> None:
     torch.manual_seed(0)
     x, y, r = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
-    check_parity(Kinds(), (x, y, r), {"scale": 2.0, "a": torch.ones(3, 4), "b": None},
-                 loss=lambda o: o.square().sum())
+    check_parity(
+        Kinds(),
+        (x, y, r),
+        {"scale": 2.0, "a": torch.ones(3, 4), "b": None},
+        loss=lambda o: o.square().sum(),
+    )
 
 
 def test_many_none_arguments_and_keyword_order() -> None:
@@ -77,11 +87,15 @@ class Nested(nn.Module):
 
 def test_nested_inputs_with_unused_and_none_values_and_typed_outputs() -> None:
     torch.manual_seed(0)
-    batch = {"x": torch.randn(2, 4, requires_grad=True),
-             "pair": [torch.randn(2, 4), torch.randn(2, 4)],
-             "unused": torch.randn(5), "missing": None}
+    batch = {
+        "x": torch.randn(2, 4, requires_grad=True),
+        "pair": [torch.randn(2, 4), torch.randn(2, 4)],
+        "unused": torch.randn(5),
+        "missing": None,
+    }
     wrapped = check_parity(
-        Nested(), (batch,),
+        Nested(),
+        (batch,),
         loss=lambda o: o["od"]["z"] + o["dc"].loss + o["list"][1]["deep"][0].sum(),
     )
     out = wrapped(batch)
@@ -142,8 +156,9 @@ class PassThrough(nn.Module):
 def test_duplicated_outputs_and_input_returned_as_output() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 4, requires_grad=True)
-    wrapped = check_parity(PassThrough(), (x,),
-                           loss=lambda o: o[0].sum() + 2 * o[1].square().sum() + 3 * o[2].sum())
+    wrapped = check_parity(
+        PassThrough(), (x,), loss=lambda o: o[0].sum() + 2 * o[1].square().sum() + 3 * o[2].sum()
+    )
     a, b, c = wrapped(x)
     assert max_diff(a, b) == 0 and max_diff(c, x) == 0
 

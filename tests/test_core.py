@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from ortfx import io
 from ortfx.errors import OrtfxIOError
 from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
 from ortfx.options import ExportOptions
@@ -31,8 +32,8 @@ from ortfx.transitions import (
     bump_module_version,
     decide,
 )
-from ortfx import io
 
+V0 = ModuleVersion()
 OPTS = ExportOptions("torchscript", 17)
 VERSIONS = ("2.13.0", "1.17")
 
@@ -42,7 +43,7 @@ def call_of(
     kwargs: dict[str, Any] | None = None,
     *,
     training: bool = True,
-    version: ModuleVersion = ModuleVersion(),
+    version: ModuleVersion = V0,
     options: ExportOptions = OPTS,
     params: tuple[bool, ...] = (True,),
     device: str = "cpu",
@@ -50,7 +51,9 @@ def call_of(
 ) -> Call:
     schema = ModelSchema.from_call(args, kwargs or {})
     key = ExportKey(schema, training, version, options, VERSIONS)
-    return Call(key, GradState(schema.requires_grad, params, ("w",)), SessionKey(device, deterministic))
+    return Call(
+        key, GradState(schema.requires_grad, params, ("w",)), SessionKey(device, deterministic)
+    )
 
 
 def after(*calls: Call) -> ExportState[int]:
@@ -71,7 +74,10 @@ def test_first_call_exports() -> None:
     assert decide(ExportState(), call_of((X,))) == Reexport(
         (decide(ExportState(), call_of((X,))).reasons[0],)
     )
-    assert line(decide(ExportState(), call_of((X,)))) == "module was never exported, now called (first call)"
+    assert (
+        line(decide(ExportState(), call_of((X,))))
+        == "module was never exported, now called (first call)"
+    )
 
 
 def test_same_call_with_other_sizes_reuses() -> None:
@@ -90,11 +96,21 @@ def test_same_call_with_other_sizes_reuses() -> None:
         (None, torch.zeros(2), "args[1] was None, now float32[?] (None became a tensor)"),
         (torch.zeros(2), None, "args[1] was float32[?], now None (a tensor became None)"),
         (3, torch.zeros(()), "args[1] was 3, now float32[] (a static value became a tensor)"),
-        (torch.zeros(2), torch.zeros(2, dtype=torch.float64),
-         "args[1] was float32[?], now float64[?] (a tensor's dtype changed)"),
-        (torch.zeros(2), torch.zeros(2, 2), "args[1] was float32[?], now float32[?, ?] (a tensor's rank changed)"),
-        (torch.zeros(2), torch.zeros(2, 2, dtype=torch.int64),
-         "args[1] was float32[?], now int64[?, ?] (a tensor's dtype and rank changed)"),
+        (
+            torch.zeros(2),
+            torch.zeros(2, dtype=torch.float64),
+            "args[1] was float32[?], now float64[?] (a tensor's dtype changed)",
+        ),
+        (
+            torch.zeros(2),
+            torch.zeros(2, 2),
+            "args[1] was float32[?], now float32[?, ?] (a tensor's rank changed)",
+        ),
+        (
+            torch.zeros(2),
+            torch.zeros(2, 2, dtype=torch.int64),
+            "args[1] was float32[?], now int64[?, ?] (a tensor's dtype and rank changed)",
+        ),
     ],
 )
 def test_leaf_changes_reexport_with_exact_reason(old: Any, new: Any, expected: str) -> None:
@@ -108,7 +124,10 @@ def test_reason_renders_as_one_log_line_with_kind() -> None:
     state = after(call_of((X, True)))
     new = call_of((X, False))
     state = apply(state, new, decide(state, new), 1)
-    assert str(state.history[-1]) == "re-export: args[1] was True, now False (a static bool value changed)"
+    assert (
+        str(state.history[-1])
+        == "re-export: args[1] was True, now False (a static bool value changed)"
+    )
     assert str(state.history[0]) == "export: module was never exported, now called (first call)"
 
 
@@ -139,8 +158,12 @@ def test_mode_options_and_module_version_reasons_come_first() -> None:
     state = after(call_of((X, True)))
     decision = decide(
         state,
-        call_of((X, False), training=False, version=ModuleVersion(1, "attribute 'k' set"),
-                options=ExportOptions("dynamo", 18)),
+        call_of(
+            (X, False),
+            training=False,
+            version=ModuleVersion(1, "attribute 'k' set"),
+            options=ExportOptions("dynamo", 18),
+        ),
     )
     assert line(decision) == (
         "module was version 0, now version 1 (attribute 'k' set); "
@@ -155,17 +178,26 @@ def test_requires_grad_flip_reprocesses() -> None:
     state = after(call_of((X,)))
     decision = decide(state, call_of((X.clone().requires_grad_(),)))
     assert isinstance(decision, Reprocess)
-    assert line(decision) == "args[0] was requires_grad=False, now requires_grad=True (an input's requires_grad changed)"
+    assert (
+        line(decision)
+        == "args[0] was requires_grad=False, now requires_grad=True (an input's requires_grad changed)"
+    )
     decision = decide(state, call_of((X,), params=(False,)))
     assert isinstance(decision, Reprocess)
-    assert line(decision) == "parameter 'w' was requires_grad=True, now requires_grad=False (a parameter's requires_grad changed)"
+    assert (
+        line(decision)
+        == "parameter 'w' was requires_grad=True, now requires_grad=False (a parameter's requires_grad changed)"
+    )
 
 
 def test_device_and_determinism_make_only_a_new_session() -> None:
     state = after(call_of((X,)))
     decision = decide(state, call_of((X,), deterministic=True))
     assert isinstance(decision, NewSession)
-    assert line(decision) == "deterministic algorithms was off, now on (torch.use_deterministic_algorithms changed)"
+    assert (
+        line(decision)
+        == "deterministic algorithms was off, now on (torch.use_deterministic_algorithms changed)"
+    )
     assert line(decide(state, call_of((X,), device="cuda:0"))) == (
         "device was cpu, now cuda:0 (the module changed device)"
     )
@@ -193,7 +225,9 @@ def test_module_version_bump_makes_every_entry_unreachable() -> None:
     state = after(call_of((X,)))
     state = bump_module_version(state, "parameter set changed")
     call = call_of((X,), version=state.module_version)
-    assert line(decide(state, call)) == "module was version 0, now version 1 (parameter set changed)"
+    assert (
+        line(decide(state, call)) == "module was version 0, now version 1 (parameter set changed)"
+    )
 
 
 def test_repeated_reexports_of_one_leaf_mark_it_for_a_warning_once() -> None:
@@ -284,5 +318,7 @@ def test_core_imports_without_onnxruntime() -> None:
         "assert not any(m.startswith('onnxruntime') and sys.modules[m] for m in sys.modules)\n"
         "print('ok')"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
     assert result.stdout.strip() == "ok", result.stderr

@@ -114,7 +114,9 @@ def test_data_parallel_is_rejected_with_the_fix() -> None:
 
 
 def test_not_a_module_is_rejected() -> None:
-    with pytest.raises(ortfx.OrtfxTorchModelError, match="expects a torch.nn.Module, got function"):
+    with pytest.raises(
+        ortfx.OrtfxTorchModelError, match=r"expects a torch\.nn\.Module, got function"
+    ):
         ortfx.ORTModule(lambda x: x)  # type: ignore[arg-type]
 
 

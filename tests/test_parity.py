@@ -36,8 +36,12 @@ def test_transformer_encoder() -> None:
 def test_tiny_gpt2_lm_loss_from_labels() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
-    kwargs = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
-              "use_cache": False}
+    kwargs = {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "attention_mask": torch.ones_like(ids),
+        "use_cache": False,
+    }
     wrapped = check_parity(models.tiny_gpt2(), (), kwargs, loss=lambda out: out.loss)
     # The output is the model's own ModelOutput type with the loss restored into it.
     out = wrapped(**kwargs)
@@ -48,8 +52,11 @@ def test_tiny_gpt2_lm_loss_from_labels() -> None:
 def test_tiny_bert_sequence_classification() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (3, 12))
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "labels": torch.tensor([0, 2, 1])}
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.tensor([0, 2, 1]),
+    }
     check_parity(models.tiny_bert(), (), kwargs, loss=lambda out: out.loss)
 
 

@@ -22,8 +22,15 @@ class Switchy(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, flag: Any = True, n: Any = 1, scale: Any = 1.0,
-                mode: Any = "a", extra: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        flag: Any = True,
+        n: Any = 1,
+        scale: Any = 1.0,
+        mode: Any = "a",
+        extra: Any = None,
+    ) -> torch.Tensor:
         y = self.lin(x)
         y = torch.relu(y) if flag else torch.tanh(y)
         for _ in range(n):
@@ -41,13 +48,37 @@ X = torch.randn(3, 4)
 @pytest.mark.parametrize(
     ("first", "second", "reason"),
     [
-        ({"flag": True}, {"flag": False}, "kwargs['flag'] was True, now False (a static bool value changed)"),
+        (
+            {"flag": True},
+            {"flag": False},
+            "kwargs['flag'] was True, now False (a static bool value changed)",
+        ),
         ({"n": 1}, {"n": 2}, "kwargs['n'] was 1, now 2 (a static int value changed)"),
-        ({"scale": 1.0}, {"scale": 0.5}, "kwargs['scale'] was 1.0, now 0.5 (a static float value changed)"),
-        ({"mode": "a"}, {"mode": "b"}, "kwargs['mode'] was 'a', now 'b' (a static str value changed)"),
-        ({"extra": None}, {"extra": torch.ones(3, 4)}, "kwargs['extra'] was None, now float32[?, ?] (None became a tensor)"),
-        ({"extra": torch.ones(3, 4)}, {"extra": None}, "kwargs['extra'] was float32[?, ?], now None (a tensor became None)"),
-        ({"extra": torch.ones(3, 4)}, {"extra": torch.ones(4)}, "kwargs['extra'] was float32[?, ?], now float32[?] (a tensor's rank changed)"),
+        (
+            {"scale": 1.0},
+            {"scale": 0.5},
+            "kwargs['scale'] was 1.0, now 0.5 (a static float value changed)",
+        ),
+        (
+            {"mode": "a"},
+            {"mode": "b"},
+            "kwargs['mode'] was 'a', now 'b' (a static str value changed)",
+        ),
+        (
+            {"extra": None},
+            {"extra": torch.ones(3, 4)},
+            "kwargs['extra'] was None, now float32[?, ?] (None became a tensor)",
+        ),
+        (
+            {"extra": torch.ones(3, 4)},
+            {"extra": None},
+            "kwargs['extra'] was float32[?, ?], now None (a tensor became None)",
+        ),
+        (
+            {"extra": torch.ones(3, 4)},
+            {"extra": torch.ones(4)},
+            "kwargs['extra'] was float32[?, ?], now float32[?] (a tensor's rank changed)",
+        ),
     ],
 )
 def test_static_and_structural_changes_reexport_once_with_pytorch_result(

@@ -132,23 +132,37 @@ def embedding_padding(padding: Mapping[str, int]) -> Pass:
             trained = h.make_node("Gather", [spec.name, ids], [f"{tag}_trained"], name=f"{tag}_g")
             kept = h.make_node("Gather", [frozen, ids], [f"{tag}_kept"], name=f"{tag}_k")
             index = h.make_node(
-                "Constant", [], [f"{tag}_idx"], name=f"{tag}_c",
-                value=h.make_tensor(f"{tag}_idx", onnx.TensorProto.INT64, [], [padding[str(spec.source)]]),
+                "Constant",
+                [],
+                [f"{tag}_idx"],
+                name=f"{tag}_c",
+                value=h.make_tensor(
+                    f"{tag}_idx", onnx.TensorProto.INT64, [], [padding[str(spec.source)]]
+                ),
             )
-            cast = h.make_node("Cast", [ids], [f"{tag}_ids"], name=f"{tag}_cast", to=onnx.TensorProto.INT64)
-            equal = h.make_node("Equal", [f"{tag}_ids", f"{tag}_idx"], [f"{tag}_is_pad"], name=f"{tag}_eq")
+            cast = h.make_node(
+                "Cast", [ids], [f"{tag}_ids"], name=f"{tag}_cast", to=onnx.TensorProto.INT64
+            )
+            equal = h.make_node(
+                "Equal", [f"{tag}_ids", f"{tag}_idx"], [f"{tag}_is_pad"], name=f"{tag}_eq"
+            )
             axes = h.make_node(
-                "Constant", [], [f"{tag}_axes"], name=f"{tag}_a",
+                "Constant",
+                [],
+                [f"{tag}_axes"],
+                name=f"{tag}_a",
                 value=h.make_tensor(f"{tag}_axes", onnx.TensorProto.INT64, [1], [-1]),
             )
-            unsqueeze = h.make_node("Unsqueeze", [f"{tag}_is_pad", f"{tag}_axes"], [f"{tag}_mask"], name=f"{tag}_u")
-            where = h.make_node("Where", [f"{tag}_mask", f"{tag}_kept", f"{tag}_trained"], [out], name=f"{tag}_w")
+            unsqueeze = h.make_node(
+                "Unsqueeze", [f"{tag}_is_pad", f"{tag}_axes"], [f"{tag}_mask"], name=f"{tag}_u"
+            )
+            where = h.make_node(
+                "Where", [f"{tag}_mask", f"{tag}_kept", f"{tag}_trained"], [out], name=f"{tag}_w"
+            )
             nodes.extend([trained, kept, index, cast, equal, axes, unsqueeze, where])
         del model.graph.node[:]
         model.graph.node.extend(nodes)
-        return attrs.evolve(
-            info, model=model.SerializeToString(), inputs=(*info.inputs, *added)
-        )
+        return attrs.evolve(info, model=model.SerializeToString(), inputs=(*info.inputs, *added))
 
     return run
 

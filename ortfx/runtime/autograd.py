@@ -13,7 +13,9 @@ class RunORT(torch.autograd.Function):
     """``RunORT.apply(runner, *graph_inputs)`` runs ORT's forward; its backward runs ORT's."""
 
     @staticmethod
-    def forward(ctx: Any, runner: TrainingRunner, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, runner: TrainingRunner, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         outputs, run_state = runner.forward(inputs)
         ctx.runner = runner
         ctx.run_state = run_state

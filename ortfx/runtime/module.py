@@ -39,7 +39,6 @@ from ortfx.transitions import (
     ExportKey,
     ExportState,
     GradState,
-    NewSession,
     Reexport,
     Reprocess,
     Reuse,
@@ -100,6 +99,21 @@ class ORTModule(torch.nn.Module):
     module's own; attributes set through the wrapper land on it and invalidate its graphs.
     """
 
+    # Instance state lives in __dict__ (set in _ortfx_setup); declared here for type checkers.
+    _ortfx_options: Options
+    _ortfx_debug: Any
+    _ortfx_exporter: str
+    _ortfx_state: ExportState[Compiled]
+    _ortfx_tracked: Tracked | None
+    _ortfx_dynamic: frozenset[str]
+    _ortfx_bound: tuple[str, ...]
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped user module."""
+        module: torch.nn.Module = self._modules["_original_module"]  # type: ignore[assignment]
+        return module
+
     def __init__(
         self,
         module: torch.nn.Module,
@@ -126,7 +140,7 @@ class ORTModule(torch.nn.Module):
     # ---- construction, pickling -----------------------------------------------------------
 
     def _ortfx_setup(self, options: Options, debug_options: Any) -> None:
-        module = self._original_module
+        module = self.module
         own = self.__dict__
         own["_ortfx_options"] = options
         own["_ortfx_debug"] = debug_options
@@ -165,74 +179,83 @@ class ORTModule(torch.nn.Module):
     def __getattr__(self, name: str) -> Any:
         if name == "_original_module":
             return super().__getattr__(name)
-        return getattr(self._original_module, name)
+        return getattr(self.module, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN or name.startswith("_ortfx"):
             object.__setattr__(self, name, value)
             return
-        setattr(self._original_module, name, value)
+        setattr(self.module, name, value)
         self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
 
     def __delattr__(self, name: str) -> None:
         if name in _OWN or name.startswith("_ortfx"):
             object.__delattr__(self, name)
             return
-        delattr(self._original_module, name)
+        delattr(self.module, name)
         self._ortfx_invalidate(f"attribute {name!r} deleted through the wrapper")
 
-    def named_parameters(  # type: ignore[override]
+    def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
-    def named_buffers(  # type: ignore[override]
+    def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def named_children(self) -> Iterator[tuple[str, torch.nn.Module]]:
-        return self._original_module.named_children()
+        return self.module.named_children()
 
-    def named_modules(  # type: ignore[override]
-        self, memo: set[torch.nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    def named_modules(
+        self,
+        memo: set[torch.nn.Module] | None = None,
+        prefix: str = "",
+        remove_duplicate: bool = True,
     ) -> Iterator[tuple[str, torch.nn.Module]]:
-        return self._original_module.named_modules(memo, prefix, remove_duplicate)
+        modules: Iterator[tuple[str, torch.nn.Module]]
+        modules = self.module.named_modules(memo, prefix, remove_duplicate)
+        return modules
 
     def train(self, mode: bool = True) -> ORTModule:
         object.__setattr__(self, "training", mode)
-        self._original_module.train(mode)
+        self.module.train(mode)
         return self
 
-    def apply(self, fn: Callable[[torch.nn.Module], None]) -> ORTModule:  # type: ignore[override]
-        self._original_module.apply(fn)
+    def apply(self, fn: Callable[[torch.nn.Module], None]) -> ORTModule:
+        self.module.apply(fn)
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._original_module.state_dict(*args, **kwargs)
+        return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        result = self._original_module.load_state_dict(state_dict, strict, assign)
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        result = self.module.load_state_dict(state_dict, strict, assign)
         if assign:  # new tensor objects replace the parameters
             self._ortfx_invalidate("load_state_dict(assign=True) replaced the parameters")
         return result
 
-    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        self._original_module.register_buffer(name, tensor, persistent)
+    def register_buffer(
+        self, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        self.module.register_buffer(name, tensor, persistent)
         self._ortfx_invalidate(f"buffer {name!r} registered through the wrapper")
 
     def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
-        self._original_module.register_parameter(name, param)
+        self.module.register_parameter(name, param)
         self._ortfx_invalidate(f"parameter {name!r} registered through the wrapper")
 
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
-        self._original_module.add_module(name, module)
+        self.module.add_module(name, module)
         self._ortfx_invalidate(f"submodule {name!r} added through the wrapper")
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTModule:
-        before = [(t.dtype, t.shape) for t in self._original_module.state_dict().values()]
-        self._original_module._apply(fn, recurse)
-        after = [(t.dtype, t.shape) for t in self._original_module.state_dict().values()]
+        before = [(t.dtype, t.shape) for t in self.module.state_dict().values()]
+        self.module._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        after = [(t.dtype, t.shape) for t in self.module.state_dict().values()]
         self.__dict__["_ortfx_tracked"] = None  # the device may have changed: track again
         if before != after:
             self._ortfx_invalidate("parameters or buffers changed dtype (.to()/.half()/...)")
@@ -250,9 +273,9 @@ class ORTModule(torch.nn.Module):
     def _ortfx_tracked_now(self) -> Tracked:
         tracked: Tracked | None = self._ortfx_tracked
         if tracked is None or (tracked.params and tracked.params[0].device != tracked.device):
-            tracked = _track(self._original_module)
+            tracked = _track(self.module)
             self.__dict__["_ortfx_tracked"] = tracked
-            self.__dict__["_ortfx_watched"] = frozenset(map(id, self._original_module.modules()))
+            self.__dict__["_ortfx_watched"] = frozenset(map(id, self.module.modules()))
         return tracked
 
     # ---- the call -------------------------------------------------------------------------
@@ -301,7 +324,7 @@ class ORTModule(torch.nn.Module):
                     deterministic=call.session.deterministic,
                 )
                 self._ortfx_log_runner("training", compiled.training)
-            outputs = RunORT.apply(compiled.training, *inputs)
+            outputs = RunORT.apply(compiled.training, *inputs)  # type: ignore[no-untyped-call]
         else:
             if compiled.inference is None:
                 compiled.inference = InferenceRunner(
@@ -338,24 +361,26 @@ class ORTModule(torch.nn.Module):
         )
         if isinstance(decision, Reexport):
             # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
-            inspect.signature(self._original_module.forward).bind(*args, **kwargs)
+            inspect.signature(self.module.forward).bind(*args, **kwargs)
             self.__dict__["_ortfx_exporting"] = True
             try:
-                raw, seconds = export(
-                    self._original_module, leaves, call.key.schema, call.key.options
-                )
+                raw, seconds = export(self.module, leaves, call.key.schema, call.key.options)
             finally:
                 self.__dict__["_ortfx_exporting"] = False
-            process = passes.after_export(_embedding_padding(self._original_module))
+            process = passes.after_export(_embedding_padding(self.module))
             info = marks(process(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
             compiled = Compiled(info, Timings(export=seconds))
         else:
             entry = state.lookup(call.key)
             assert entry is not None
-            info = marks(entry.payload.info) if isinstance(decision, Reprocess) else entry.payload.info
+            info = (
+                marks(entry.payload.info) if isinstance(decision, Reprocess) else entry.payload.info
+            )
             compiled = Compiled(info, Timings())
+        assert not isinstance(decision, Reuse)
         first = state.stats.exports == 0 and isinstance(decision, Reexport)
-        line = str(Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons))  # type: ignore[union-attr]
+        kind = decision_name(decision, first=first)
+        line = str(Transition(state.stats.calls, kind, decision.reasons))
         cost = f" [{compiled.timings.render()}]" if compiled.timings.export else ""
         logger.info("%s%s", line, cost)
         return compiled
@@ -430,7 +455,7 @@ def _watch(wrapper: ORTModule) -> None:
                 torch_module.register_module_module_registration_hook(_on_registration),
             )
         )
-    wrapper.__dict__["_ortfx_watched"] = frozenset(map(id, wrapper._original_module.modules()))
+    wrapper.__dict__["_ortfx_watched"] = frozenset(map(id, wrapper.module.modules()))
     _LIVE.add(wrapper)
 
 

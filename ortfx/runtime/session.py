@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
 from ortfx.errors import CUDA_PROVIDER_MISSING, ORT_MISSING, OrtfxDeviceError, OrtfxInitError
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -52,7 +53,9 @@ class Timings:
 def _providers(device: torch.device) -> tuple[list[Any], Any]:
     """Execution providers and the OrtDevice for ``device``."""
     if device.type == "cpu":
-        return ["CPUExecutionProvider"], C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        return ["CPUExecutionProvider"], C.OrtDevice(
+            C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0
+        )
     if device.type == "cuda":
         available = ort.get_available_providers()
         if "CUDAExecutionProvider" not in available:
@@ -77,7 +80,9 @@ SESSION_FAILED = (
 )
 
 
-def _session(model: bytes, so: Any, providers: list[Any], *, kind: str, device: torch.device) -> Any:
+def _session(
+    model: bytes, so: Any, providers: list[Any], *, kind: str, device: torch.device
+) -> Any:
     try:
         return ort.InferenceSession(model, so, providers=providers)
     except Exception as e:
@@ -109,8 +114,8 @@ def _capsule(tensor: torch.Tensor) -> tuple[Any, bool]:
         tensor = tensor.contiguous()
     if tensor.dtype is torch.bool:
         # ORT's DLPack reader has no bool type: cross as uint8 and flag it.
-        return torch.utils.dlpack.to_dlpack(tensor.to(torch.uint8)), True
-    return torch.utils.dlpack.to_dlpack(tensor), False
+        return to_dlpack(tensor.to(torch.uint8)), True
+    return to_dlpack(tensor), False
 
 
 def _to_ort(vector: Any, tensor: torch.Tensor) -> None:
@@ -122,7 +127,7 @@ def _ort_value(tensor: torch.Tensor) -> Any:
 
 
 def _to_torch(vector: Any) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = vector.to_dlpacks(torch.from_dlpack)
+    tensors: list[torch.Tensor] = vector.to_dlpacks(from_dlpack)
     for i in vector.bool_tensor_indices():
         tensors[i] = tensors[i].to(torch.bool)
     return tensors
@@ -176,26 +181,29 @@ class TrainingRunner:
         )
         gi = self.graph_info
         feeds = [*gi.user_input_names, *gi.initializer_names]
-        if feeds != [i.name for i in info.inputs]:
+        ours = [i.name for i in info.inputs]
+        if feeds != ours:
             raise OrtfxInitError(
-                f"ORT orders the graph inputs as {feeds}, ortfx as {[i.name for i in info.inputs]}; "
+                f"ORT orders the graph inputs as {feeds}, ortfx as {ours}; "
                 "this is an ortfx bug, please report it."
             )
         fetches = [o.name for o in self.session.get_outputs()]
         # The device lists must match ORT's own counts exactly: a short list aborts the process.
         n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
         self.agent = C.TrainingAgent(
-            self.session._sess, feeds, [ort_device] * n_forward, fetches,
-            [ort_device] * len(fetches), 0,
+            self.session._sess,
+            feeds,
+            [ort_device] * n_forward,
+            fetches,
+            [ort_device] * len(fetches),
+            0,
         )
         self.session_seconds = time.perf_counter() - start
         self.non_differentiable = frozenset(gi.output_grad_indices_non_differentiable)
         self.full_shape = frozenset(gi.output_grad_indices_require_full_shape)
         self.saved_outputs = tuple(gi.module_output_indices_requires_save_for_backward)
         # Where each backward fetch goes among the autograd Function's inputs.
-        self.grad_slots = tuple(
-            k for k, spec in enumerate(info.inputs) if spec.requires_grad
-        )
+        self.grad_slots = tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad)
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         feeds = C.OrtValueVector()
