@@ -9,14 +9,17 @@ from ortfx.errors import (
     OrtfxExportError,
     OrtfxInitError,
     OrtfxIOError,
+    OrtfxRuntimeError,
     OrtfxTorchModelError,
     OrtfxWarning,
 )
-from ortfx.options import LogLevel, Options
+from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
 from ortfx.runtime.module import ORTModule, explain, invalidate, stats
 from ortfx.transitions import Reason, Stats, Transition
 
 __all__ = [
+    "DebugOptions",
+    "FallbackPolicy",
     "LogLevel",
     "ORTModule",
     "Options",
@@ -25,6 +28,7 @@ __all__ = [
     "OrtfxExportError",
     "OrtfxIOError",
     "OrtfxInitError",
+    "OrtfxRuntimeError",
     "OrtfxTorchModelError",
     "OrtfxWarning",
     "Reason",

@@ -36,7 +36,8 @@ class Block(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = self.drop(att.masked_fill(~causal, float("-inf")).softmax(-1))
         x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.fc2(F.gelu(self.fc(self.ln2(x)))))
+        out: torch.Tensor = x + self.drop(self.fc2(F.gelu(self.fc(self.ln2(x)))))
+        return out
 
 
 class TinyGPT(nn.Module):
@@ -48,7 +49,9 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         x = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
@@ -77,10 +80,14 @@ def main() -> None:
     opt_ort = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     opt_eager = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"TinyGPT: {n_params / 1e6:.2f}M parameters, batch {args.batch}, seq {args.seq}, "
-          f"{args.threads} thread(s), torch {torch.__version__}\n")
-    print(f"{'step':>4} {'loss ortfx':>11} {'loss torch':>11} {'|diff|':>9} "
-          f"{'ortfx ms':>9} {'torch ms':>9}")
+    print(
+        f"TinyGPT: {n_params / 1e6:.2f}M parameters, batch {args.batch}, seq {args.seq}, "
+        f"{args.threads} thread(s), torch {torch.__version__}\n"
+    )
+    print(
+        f"{'step':>4} {'loss ortfx':>11} {'loss torch':>11} {'|diff|':>9} "
+        f"{'ortfx ms':>9} {'torch ms':>9}"
+    )
     gen = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {"ortfx": [], "torch": []}
     for step in range(args.steps):
@@ -95,9 +102,11 @@ def main() -> None:
             opt.step()
             times[name].append(time.perf_counter() - start)
             losses[name] = loss.item()
-        print(f"{step:>4} {losses['ortfx']:>11.5f} {losses['torch']:>11.5f} "
-              f"{abs(losses['ortfx'] - losses['torch']):>9.2e} "
-              f"{1e3 * times['ortfx'][-1]:>9.1f} {1e3 * times['torch'][-1]:>9.1f}")
+        print(
+            f"{step:>4} {losses['ortfx']:>11.5f} {losses['torch']:>11.5f} "
+            f"{abs(losses['ortfx'] - losses['torch']):>9.2e} "
+            f"{1e3 * times['ortfx'][-1]:>9.1f} {1e3 * times['torch'][-1]:>9.1f}"
+        )
 
     # A validation pass in eval mode: a new graph for the eval mode, exported once.
     wrapped.eval()
@@ -106,10 +115,14 @@ def main() -> None:
     wrapped.train()
 
     steady = {k: statistics.median(v[2:]) for k, v in times.items()}
-    print(f"\nfirst step (export + gradient build + session + run): "
-          f"ortfx {times['ortfx'][0]:.2f} s, torch {times['torch'][0]:.2f} s")
-    print(f"median step after warm-up: ortfx {1e3 * steady['ortfx']:.1f} ms, "
-          f"torch {1e3 * steady['torch']:.1f} ms, ratio {steady['ortfx'] / steady['torch']:.2f}x")
+    print(
+        f"\nfirst step (export + gradient build + session + run): "
+        f"ortfx {times['ortfx'][0]:.2f} s, torch {times['torch'][0]:.2f} s"
+    )
+    print(
+        f"median step after warm-up: ortfx {1e3 * steady['ortfx']:.1f} ms, "
+        f"torch {1e3 * steady['torch']:.1f} ms, ratio {steady['ortfx'] / steady['torch']:.2f}x"
+    )
     print(f"\n{ortfx.stats(wrapped)}")
     print("transitions:")
     for transition in ortfx.explain(wrapped):

@@ -27,6 +27,10 @@ class OrtfxInitError(OrtfxError, RuntimeError):
     """ONNX Runtime could not be set up (missing wheel, gradient build or session failure)."""
 
 
+class OrtfxRuntimeError(OrtfxError, RuntimeError):
+    """ONNX Runtime failed while running a graph that was built successfully."""
+
+
 class OrtfxWarning(UserWarning):
     """Warnings ortfx emits: repeated re-exports, ignored settings, fallbacks."""
 

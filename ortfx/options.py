@@ -1,9 +1,16 @@
-"""Every setting of ortfx in one frozen record; the export-relevant subset feeds the export key."""
+"""Every setting of ortfx in one frozen record; the export-relevant subset feeds the export key.
+
+Settings come from the constructor (``Options``, upstream-style ``DebugOptions``) and from the
+environment (upstream's ``ORTMODULE_*`` names and ortfx's own ``ORTFX_*``); the environment wins.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import Literal, TypeAlias
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias
 
 import attrs
 
@@ -21,6 +28,28 @@ class LogLevel(enum.IntEnum):
     FATAL = 50
 
 
+class FallbackPolicy(enum.IntFlag):
+    """When ortfx runs the module in plain PyTorch instead of failing. Combine with ``|``."""
+
+    DISABLE = 1
+    UNSUPPORTED_DEVICE = 8
+    UNSUPPORTED_DATA = 16
+    UNSUPPORTED_TORCH_MODEL = 32
+    UNSUPPORTED_ONNX_MODEL = 64
+    BAD_INITIALIZATION = 128
+
+    def allows(self, flag: FallbackPolicy) -> bool:
+        return FallbackPolicy.DISABLE not in self and flag in self
+
+
+DEFAULT_FALLBACK = (
+    FallbackPolicy.UNSUPPORTED_DEVICE
+    | FallbackPolicy.UNSUPPORTED_DATA
+    | FallbackPolicy.UNSUPPORTED_TORCH_MODEL
+    | FallbackPolicy.UNSUPPORTED_ONNX_MODEL
+)
+
+
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if type(value) is not int or value < 1:
         raise ValueError(f"'{attribute.name}' must be a positive int (got {value!r}).")
@@ -34,11 +63,15 @@ def _opset(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         )
 
 
-def _exporter(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if value not in ("auto", "torchscript", "dynamo"):
-        raise ValueError(
-            f"'{attribute.name}' must be 'auto', 'torchscript' or 'dynamo' (got {value!r})."
-        )
+def _one_of(*choices: object) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in choices:
+            raise ValueError(
+                f"'{attribute.name}' must be one of {', '.join(map(repr, choices))} "
+                f"(got {value!r})."
+            )
+
+    return check
 
 
 def _str_tuple(value: object) -> tuple[str, ...]:
@@ -54,29 +87,192 @@ def _str_tuple(value: object) -> tuple[str, ...]:
     return tuple(sorted(value))
 
 
+def _log_level(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, LogLevel):
+        raise TypeError(
+            f"'{attribute.name}' must be an ortfx.LogLevel (got {value!r} that is a "
+            f"{type(value).__name__}); use e.g. ortfx.LogLevel.INFO."
+        )
+
+
+def _prefix(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"'{attribute.name}' must be a str (got {value!r} that is a {type(value).__name__}); "
+            "it starts the names of the saved ONNX files."
+        )
+
+
 @attrs.frozen
 class ExportOptions:
-    """The options that change the exported graph; part of the export key."""
+    """The options that change the exported or processed graph; part of the export key."""
 
     exporter: str
     opset_version: int
+    enable_compute_optimizer: bool = True
 
 
 @attrs.frozen(kw_only=True)
 class Options:
     """All ortfx settings. Construct directly or with :meth:`from_env`; change with ``evolve``."""
 
-    exporter: Exporter = attrs.field(default="auto", validator=_exporter)
+    exporter: Exporter = attrs.field(
+        default="auto", validator=_one_of("auto", "torchscript", "dynamo")
+    )
     opset_version: int = attrs.field(default=17, validator=_opset)
     # Python scalars at these leaf paths ("args[1]", "kwargs['scale']", or "*" for every int and
     # float) are fed to the graph as 0-dim tensors instead of being baked in as constants.
     dynamic_scalars: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     cache_size: int = attrs.field(default=8, validator=_positive)
+    enable_compute_optimizer: bool = True
+    # Export from a deep copy, for modules whose forward mutates their own state.
+    deepcopy_before_export: bool = False
+    memory_opt_level: int = attrs.field(default=0, validator=_one_of(0, 1, 2))
+    memory_opt_config: str = ""
+    fallback_policy: FallbackPolicy = DEFAULT_FALLBACK
+    # After a fallback, try ORT again when a new input schema arrives.
+    fallback_retry: bool = True
+    log_level: LogLevel = attrs.field(default=LogLevel.WARNING, validator=_log_level)
+    save_onnx: bool = False
+    onnx_prefix: str = attrs.field(default="", validator=_prefix)
+    save_path: str = ""
     # None follows torch.get_num_threads() at session creation.
     intra_op_threads: int | None = None
     # ORT's spinning thread pool burns cores while idle; on shared machines it hurts badly.
     allow_spinning: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        if self.save_onnx:
+            if not self.onnx_prefix:
+                raise ValueError(
+                    "save_onnx=True needs a non-empty onnx_prefix: the saved files are named "
+                    "'{prefix}_torch_exported_{mode}.onnx' and so on. Pass e.g. "
+                    "DebugOptions(save_onnx=True, onnx_prefix='my_model')."
+                )
+            directory = self.save_path or os.getcwd()
+            if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+                raise OSError(
+                    f"save_onnx=True but the directory {directory!r} does not exist or is not "
+                    "writable; pass a writable save_path or set ORTMODULE_SAVE_ONNX_PATH."
+                )
+
     def export_options(self, resolved_exporter: str) -> ExportOptions:
         """The export-relevant subset, with ``"auto"`` already resolved to a real exporter."""
-        return ExportOptions(resolved_exporter, self.opset_version)
+        return ExportOptions(resolved_exporter, self.opset_version, self.enable_compute_optimizer)
+
+    @classmethod
+    def from_env(
+        cls, base: Options | None = None, environ: Mapping[str, str] | None = None
+    ) -> Options:
+        """``base`` (default: defaults) with every set environment variable applied on top.
+
+        An invalid value warns once, naming the variable, the value and the valid choices, and
+        keeps the value from ``base``.
+        """
+        base = base if base is not None else cls()
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for variable, (field, parse, choices) in ENVIRONMENT.items():
+            raw = env.get(variable)
+            if raw is None:
+                continue
+            try:
+                value = parse(raw)
+                attrs.evolve(base, **{**changes, field: value})  # run the validators
+            except (ValueError, TypeError, KeyError, OSError):
+                _warn_invalid(variable, raw, choices)
+                continue
+            changes[field] = value
+        return attrs.evolve(base, **changes) if changes else base
+
+
+class DebugOptions:
+    """Upstream's debug settings: log level and saving the ONNX models of each stage.
+
+    ``DebugOptions(log_level=LogLevel.WARNING, save_onnx=False, onnx_prefix="", save_path="")``;
+    validated on construction (see :class:`Options`). Passed to ``ORTModule(model, debug_options)``.
+    """
+
+    def __init__(
+        self,
+        log_level: LogLevel = LogLevel.WARNING,
+        save_onnx: bool = False,
+        onnx_prefix: str = "",
+        save_path: str = "",
+    ) -> None:
+        self.options = Options(
+            log_level=log_level, save_onnx=save_onnx, onnx_prefix=onnx_prefix, save_path=save_path
+        )
+
+    def apply(self, options: Options) -> Options:
+        o = self.options
+        return attrs.evolve(
+            options,
+            log_level=o.log_level,
+            save_onnx=o.save_onnx,
+            onnx_prefix=o.onnx_prefix,
+            save_path=o.save_path,
+        )
+
+
+def _flag(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _fallback(raw: str) -> FallbackPolicy:
+    policy = FallbackPolicy(0)
+    for name in raw.replace(",", "|").split("|"):
+        policy |= FallbackPolicy[name.strip().upper().removeprefix("FALLBACK_")]
+    if not policy:
+        raise ValueError(raw)
+    return policy
+
+
+def _threads(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(raw)
+    return value
+
+
+_FALLBACK_NAMES = " | ".join(f"FALLBACK_{f.name}" for f in FallbackPolicy if f.name)
+
+# variable -> (Options field, parser, valid choices for the warning)
+ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "ORTMODULE_LOG_LEVEL": (
+        "log_level",
+        lambda r: LogLevel[r.strip().upper()],
+        ", ".join(LogLevel.__members__),
+    ),
+    "ORTMODULE_SAVE_ONNX_PATH": ("save_path", str, "a writable directory"),
+    "ORTMODULE_FALLBACK_POLICY": ("fallback_policy", _fallback, _FALLBACK_NAMES + " (joined by |)"),
+    "ORTMODULE_FALLBACK_RETRY": ("fallback_retry", _flag, "1/0, true/false"),
+    "ORTMODULE_ONNX_OPSET_VERSION": ("opset_version", int, "an int from 14 to 20"),
+    "ORTMODULE_MEMORY_OPT_LEVEL": ("memory_opt_level", int, "0, 1 or 2"),
+    "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, "a JSON file path or plan strings"),
+    "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": ("enable_compute_optimizer", _flag, "1 or 0"),
+    "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": ("deepcopy_before_export", _flag, "1 or 0"),
+    "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
+    "ORTFX_INTRA_OP_THREADS": ("intra_op_threads", _threads, "a positive int"),
+    "ORTFX_ALLOW_SPINNING": ("allow_spinning", _flag, "1 or 0"),
+}
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_invalid(variable: str, raw: str, choices: str) -> None:
+    from ortfx.errors import OrtfxWarning
+
+    if (variable, raw) in _warned:
+        return
+    _warned.add((variable, raw))
+    warnings.warn(
+        f"ignoring {variable}={raw!r}: expected {choices}; keeping the default.",
+        OrtfxWarning,
+        stacklevel=3,
+    )

@@ -9,7 +9,7 @@ Order of precedence: ``Reexport`` > ``Reprocess`` > ``NewSession`` > ``Reuse``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Generic, TypeAlias, TypeVar
 
 import attrs
@@ -143,7 +143,9 @@ class Stats:
     reprocesses: int = 0
     sessions: int = 0
     cache_hits: int = 0
+    # Why the last call ran in PyTorch instead of ORT (None when it ran in ORT).
     fallback: str | None = None
+    fallback_calls: int = 0
 
 
 REPEAT_WARN_AFTER = 3
@@ -162,6 +164,11 @@ class ExportState(Generic[P]):
     # Consecutive re-exports forced by a changing static leaf, and the leaves already warned of.
     streaks: tuple[tuple[str, int], ...] = ()
     warned: frozenset[str] = frozenset()
+    # (fallback key, reason) of calls that ORT could not run and that now run in PyTorch.
+    fallbacks: tuple[tuple[Hashable, str], ...] = ()
+
+    def fallback_reason(self, key: Hashable) -> str | None:
+        return next((reason for k, reason in self.fallbacks if k == key), None)
 
     def lookup(self, key: ExportKey) -> Entry[P] | None:
         # Most recent first: in a steady training loop the first comparison hits.
@@ -347,7 +354,9 @@ def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> 
         return attrs.evolve(
             state,
             entries=entries,
-            stats=attrs.evolve(stats, calls=stats.calls + 1, cache_hits=stats.cache_hits + 1),
+            stats=attrs.evolve(
+                stats, calls=stats.calls + 1, cache_hits=stats.cache_hits + 1, fallback=None
+            ),
         )
 
     first = stats.exports == 0 and isinstance(decision, Reexport)
@@ -369,10 +378,39 @@ def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> 
     return attrs.evolve(
         state,
         entries=entries,
-        stats=attrs.evolve(stats, calls=stats.calls + 1, sessions=stats.sessions + 1),
+        stats=attrs.evolve(
+            stats, calls=stats.calls + 1, sessions=stats.sessions + 1, fallback=None
+        ),
         history=(*state.history, transition)[-HISTORY_LIMIT:],
         streaks=streaks,
         warned=warned,
+    )
+
+
+def start_fallback(state: ExportState[P], key: Hashable, reason: str) -> ExportState[P]:
+    """Calls like this one (same fallback key) run in PyTorch from now on."""
+    stats = state.stats
+    transition = Transition(
+        stats.calls, "fallback", (Reason("call", "run in ONNX Runtime", "run in PyTorch", reason),)
+    )
+    return attrs.evolve(
+        state,
+        fallbacks=(*state.fallbacks, (key, reason)),
+        stats=attrs.evolve(
+            stats, calls=stats.calls + 1, fallback=reason, fallback_calls=stats.fallback_calls + 1
+        ),
+        history=(*state.history, transition)[-HISTORY_LIMIT:],
+    )
+
+
+def note_fallback_call(state: ExportState[P], reason: str) -> ExportState[P]:
+    """One more call run in PyTorch under an active fallback."""
+    stats = state.stats
+    return attrs.evolve(
+        state,
+        stats=attrs.evolve(
+            stats, calls=stats.calls + 1, fallback=reason, fallback_calls=stats.fallback_calls + 1
+        ),
     )
 
 

@@ -13,6 +13,8 @@ import ortfx
 from tests import models
 from tests.models import max_diff
 
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+
 
 class WithMethod(nn.Module):
     def __init__(self) -> None:
@@ -104,7 +106,7 @@ def test_pickle_round_trip_then_train() -> None:
 
 def test_data_parallel_is_rejected_with_the_fix() -> None:
     with pytest.raises(ortfx.OrtfxTorchModelError) as info:
-        ortfx.ORTModule(nn.DataParallel(models.MLP()))
+        ortfx.ORTModule(nn.DataParallel(models.MLP()), options=STRICT)
     assert str(info.value) == (
         "ortfx.ORTModule was given a DataParallel; wrapping a (Distributed)DataParallel module is "
         "not supported because the wrapper replicates the module outside ONNX Runtime. Wrap the "
@@ -121,7 +123,7 @@ def test_not_a_module_is_rejected() -> None:
 
 
 def test_input_on_another_device_names_both_devices() -> None:
-    wrapped = ortfx.ORTModule(models.MLP())
+    wrapped = ortfx.ORTModule(models.MLP(), options=STRICT)
     with pytest.raises(ortfx.OrtfxDeviceError) as info:
         wrapped(torch.empty(2, 8, device="meta"))
     assert str(info.value) == (
@@ -133,6 +135,6 @@ def test_input_on_another_device_names_both_devices() -> None:
 def test_parameters_on_several_devices_are_rejected() -> None:
     model = models.MLP()
     model.fc2.to("meta")
-    wrapped = ortfx.ORTModule(model)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
     with pytest.raises(ortfx.OrtfxDeviceError, match=r"on several devices \(cpu, meta\)"):
         wrapped(torch.randn(2, 8))

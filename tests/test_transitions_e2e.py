@@ -265,7 +265,8 @@ def test_invalidate_after_inner_plain_attribute_change() -> None:
 
 
 def test_failed_call_leaves_state_unchanged() -> None:
-    wrapped = ortfx.ORTModule(Switchy())
+    strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    wrapped = ortfx.ORTModule(Switchy(), options=strict)
     wrapped(X)
     before = copy.copy(ortfx.stats(wrapped))
     with pytest.raises(ortfx.OrtfxIOError):

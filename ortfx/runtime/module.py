@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
+import os
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -23,15 +25,22 @@ from ortfx.errors import (
     NOT_A_MODULE,
     PARAMS_ON_SEVERAL_DEVICES,
     OrtfxDeviceError,
+    OrtfxError,
+    OrtfxExportError,
+    OrtfxInitError,
+    OrtfxIOError,
+    OrtfxRuntimeError,
     OrtfxTorchModelError,
     OrtfxWarning,
 )
 from ortfx.export import export, resolve_exporter
+from ortfx.io import STATIC_TYPES
 from ortfx.model_info import PostExportProcessedModelInfo
-from ortfx.options import ExportOptions, Options
+from ortfx.options import DebugOptions, FallbackPolicy, Options
 from ortfx.runtime.autograd import RunORT
+from ortfx.runtime.logs import WrapperLog, captured, feature_table
 from ortfx.runtime.session import InferenceRunner, Timings, TrainingRunner, require_ort
-from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
+from ortfx.schema import ModelSchema, TensorSpec, leaf_spec, tensorize_scalars
 from ortfx.transitions import (
     REPEATED_REEXPORT,
     Call,
@@ -49,9 +58,9 @@ from ortfx.transitions import (
     bump_module_version,
     decide,
     decision_name,
+    note_fallback_call,
+    start_fallback,
 )
-
-logger = logging.getLogger("ortfx")
 
 VERSIONS = (torch.__version__, onnx.__version__)
 
@@ -64,6 +73,30 @@ class Compiled:
         self.timings = timings
         self.training: TrainingRunner | None = None
         self.inference: InferenceRunner | None = None
+        self.ran = False  # whether ORT has run this graph once (shape failures after that)
+
+
+# The fallback key of failures that no later call can fix (unsupported module, no ORT).
+_ALWAYS = "every call"
+
+# Which policy flag allows falling back from which error (first match wins).
+_FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
+    (OrtfxIOError, FallbackPolicy.UNSUPPORTED_DATA),
+    (OrtfxDeviceError, FallbackPolicy.UNSUPPORTED_DEVICE),
+    (OrtfxTorchModelError, FallbackPolicy.UNSUPPORTED_TORCH_MODEL),
+    (OrtfxExportError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
+    (OrtfxRuntimeError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
+    (OrtfxError, FallbackPolicy.BAD_INITIALIZATION),
+)
+
+
+def _fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """What makes a call "the same" for fallback: structure, static values and tensor kinds."""
+    leaves, spec = io.flatten(io.call_tree(args, kwargs))
+    kinds = tuple(
+        leaf_spec(x) if isinstance(x, (torch.Tensor, *STATIC_TYPES)) else type(x) for x in leaves
+    )
+    return (spec, kinds)
 
 
 @attrs.frozen
@@ -101,7 +134,7 @@ class ORTModule(torch.nn.Module):
 
     # Instance state lives in __dict__ (set in _ortfx_setup); declared here for type checkers.
     _ortfx_options: Options
-    _ortfx_debug: Any
+    _ortfx_log: WrapperLog
     _ortfx_exporter: str
     _ortfx_state: ExportState[Compiled]
     _ortfx_tracked: Tracked | None
@@ -117,33 +150,51 @@ class ORTModule(torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
-        debug_options: Any = None,
+        debug_options: DebugOptions | None = None,
         *,
         options: Options | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise OrtfxTorchModelError(NOT_A_MODULE.format(type_name=type(module).__qualname__))
-        parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-        if isinstance(module, parallel):
-            raise OrtfxTorchModelError(DATA_PARALLEL.format(type_name=type(module).__name__))
+        if debug_options is not None and not isinstance(debug_options, DebugOptions):
+            raise TypeError(
+                f"debug_options must be an ortfx.DebugOptions, got {type(debug_options).__name__}; "
+                "pass e.g. ortfx.DebugOptions(log_level=ortfx.LogLevel.INFO)."
+            )
         if isinstance(module, ORTModule):
             raise OrtfxTorchModelError(
                 "ortfx.ORTModule was given a module that is already an ORTModule; wrap the "
                 "original module once."
             )
-        require_ort()
+        resolved = options if options is not None else Options()
+        if debug_options is not None:
+            resolved = debug_options.apply(resolved)
+        resolved = Options.from_env(resolved)  # the environment wins, as upstream
         super().__init__()
         torch.nn.Module.__setattr__(self, "_original_module", module)
         object.__setattr__(self, "training", module.training)
-        self._ortfx_setup(options or Options(), debug_options)
+        self._ortfx_setup(resolved)
+        unsupported: OrtfxError | None = None
+        if isinstance(module, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            unsupported = OrtfxTorchModelError(
+                DATA_PARALLEL.format(type_name=type(module).__name__)
+            )
+        else:
+            try:
+                require_ort()
+            except OrtfxInitError as e:
+                unsupported = e
+        if unsupported is not None:
+            # Nothing about a later call can fix these: fall back for good, or raise.
+            self._ortfx_fall_back(unsupported, key=_ALWAYS, retry=False)
 
     # ---- construction, pickling -----------------------------------------------------------
 
-    def _ortfx_setup(self, options: Options, debug_options: Any) -> None:
+    def _ortfx_setup(self, options: Options) -> None:
         module = self.module
         own = self.__dict__
         own["_ortfx_options"] = options
-        own["_ortfx_debug"] = debug_options
+        own["_ortfx_log"] = WrapperLog(options.log_level)
         own["_ortfx_exporter"] = resolve_exporter(options.exporter)
         own["_ortfx_state"] = ExportState[Compiled](maxsize=options.cache_size)
         own["_ortfx_tracked"] = None
@@ -166,13 +217,13 @@ class ORTModule(torch.nn.Module):
             for k, v in self.__dict__.items()
             if not k.startswith("_ortfx") and k != "forward" and k not in self._ortfx_bound
         }
-        state["_ortfx_pickled"] = (self._ortfx_options, self._ortfx_debug)
+        state["_ortfx_pickled"] = self._ortfx_options
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        options, debug = state.pop("_ortfx_pickled")
+        options = state.pop("_ortfx_pickled")
         self.__dict__.update(state)
-        self._ortfx_setup(options, debug)
+        self._ortfx_setup(options)
 
     # ---- delegation of the nn.Module API ---------------------------------------------------
 
@@ -281,6 +332,45 @@ class ORTModule(torch.nn.Module):
     # ---- the call -------------------------------------------------------------------------
 
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._ortfx_state
+        if state.fallbacks:
+            key = _ALWAYS if state.fallbacks[0][0] is _ALWAYS else _fallback_key(args, kwargs)
+            reason = state.fallback_reason(key)
+            if reason is None and not self._ortfx_options.fallback_retry:
+                reason = state.fallbacks[-1][1]
+            if reason is not None:
+                self.__dict__["_ortfx_state"] = note_fallback_call(state, reason)
+                return self.module(*args, **kwargs)
+        try:
+            return self._ortfx_run(args, kwargs)
+        except OrtfxError as error:
+            self._ortfx_fall_back(error, key=_fallback_key(args, kwargs))
+            return self.module(*args, **kwargs)
+
+    def _ortfx_fall_back(self, error: OrtfxError, *, key: Hashable, retry: bool = True) -> None:
+        """Start running calls like this one in PyTorch, if the policy allows; else raise."""
+        flag = next(f for t, f in _FALLBACK_FLAGS if isinstance(error, t))
+        options = self._ortfx_options
+        if not options.fallback_policy.allows(flag):
+            raise error
+        reason = f"{type(error).__name__}: {error}"
+        later = (
+            "a call with a new input schema will try ONNX Runtime again"
+            if retry and options.fallback_retry
+            else "every later call runs in PyTorch"
+        )
+        self._ortfx_log.log(
+            logging.WARNING,
+            "falling back to PyTorch (policy %s allows it): %s. %s; to make this an error, "
+            "pass Options(fallback_policy=ortfx.FallbackPolicy.DISABLE) or set "
+            "ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE.",
+            flag.name,
+            reason,
+            later[0].upper() + later[1:],
+        )
+        self.__dict__["_ortfx_state"] = start_fallback(self._ortfx_state, key, reason)
+
+    def _ortfx_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, spec = io.flatten(io.call_tree(args, kwargs))
         io.check_leaves(leaves, spec, root="call", where="input")
         if self._ortfx_dynamic:
@@ -294,7 +384,7 @@ class ORTModule(torch.nn.Module):
                 schema,
                 self.training,
                 state.module_version,
-                ExportOptions(self._ortfx_exporter, self._ortfx_options.opset_version),
+                self._ortfx_options.export_options(self._ortfx_exporter),
                 VERSIONS,
             ),
             GradState(
@@ -314,35 +404,70 @@ class ORTModule(torch.nn.Module):
         new_state = apply(state, call, decision, compiled)
         inputs = compiled.info.construct_inputs_flat(leaves, tracked.named_tensors)
         needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
-        options = self._ortfx_options
-        if needs_grad:
-            if compiled.training is None:
-                compiled.training = TrainingRunner(
-                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
-                    tracked.device,
-                    options,
-                    deterministic=call.session.deterministic,
-                )
-                self._ortfx_log_runner("training", compiled.training)
-            outputs = RunORT.apply(compiled.training, *inputs)  # type: ignore[no-untyped-call]
-        else:
-            if compiled.inference is None:
-                compiled.inference = InferenceRunner(
-                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
-                    tracked.device,
-                    options,
-                    deterministic=call.session.deterministic,
-                )
-                self._ortfx_log_runner("inference", compiled.inference)
-            outputs = compiled.inference.run(inputs)
+        try:
+            if needs_grad:
+                runner = self._ortfx_training_runner(compiled, tracked.device, call)
+                outputs = RunORT.apply(runner, *inputs)  # type: ignore[no-untyped-call]
+            else:
+                outputs = self._ortfx_inference_runner(compiled, tracked.device, call).run(inputs)
+        except OrtfxRuntimeError as error:
+            if not (compiled.ran and call.key.options.exporter == "torchscript"):
+                raise
+            # The graph ran before on other sizes: the tracer baked a size in. The dynamo
+            # exporter keeps sizes symbolic; switching re-exports (the log says why).
+            self._ortfx_log.log(
+                logging.WARNING,
+                "the torchscript graph cannot run these input sizes (%s); switching this "
+                "module to the dynamo exporter, which keeps sizes symbolic",
+                error,
+            )
+            self.__dict__["_ortfx_exporter"] = "dynamo"
+            return self._ortfx_run(args, kwargs)
+        compiled.ran = True
         self.__dict__["_ortfx_state"] = new_state
         for path in sorted(new_state.warned - state.warned):
             warnings.warn(
                 REPEATED_REEXPORT.format(path=path, count=dict(new_state.streaks)[path]),
                 OrtfxWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return compiled.info.restore_outputs(outputs)
+
+    def _ortfx_save_prefix(self) -> str | None:
+        options = self._ortfx_options
+        if not options.save_onnx:
+            return None
+        return os.path.join(options.save_path or os.getcwd(), options.onnx_prefix)
+
+    def _ortfx_training_runner(
+        self, compiled: Compiled, device: torch.device, call: Call
+    ) -> TrainingRunner:
+        if compiled.training is None:
+            with captured(self._ortfx_log, "the gradient build and session creation"):
+                compiled.training = TrainingRunner(
+                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
+                    device,
+                    self._ortfx_options,
+                    deterministic=call.session.deterministic,
+                    save_prefix=self._ortfx_save_prefix(),
+                )
+            self._ortfx_log_runner("training", compiled, compiled.training, call)
+        return compiled.training
+
+    def _ortfx_inference_runner(
+        self, compiled: Compiled, device: torch.device, call: Call
+    ) -> InferenceRunner:
+        if compiled.inference is None:
+            with captured(self._ortfx_log, "the session creation"):
+                compiled.inference = InferenceRunner(
+                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
+                    device,
+                    self._ortfx_options,
+                    deterministic=call.session.deterministic,
+                    save_prefix=self._ortfx_save_prefix(),
+                )
+            self._ortfx_log_runner("inference", compiled, compiled.inference, call)
+        return compiled.inference
 
     def _ortfx_realize(
         self,
@@ -362,13 +487,23 @@ class ORTModule(torch.nn.Module):
         if isinstance(decision, Reexport):
             # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
             inspect.signature(self.module.forward).bind(*args, **kwargs)
+            source = self.module
+            if self._ortfx_options.deepcopy_before_export:
+                source = copy.deepcopy(source)
             self.__dict__["_ortfx_exporting"] = True
             try:
-                raw, seconds = export(self.module, leaves, call.key.schema, call.key.options)
+                with captured(self._ortfx_log, "the ONNX export"):
+                    raw, seconds = export(source, leaves, call.key.schema, call.key.options)
             finally:
                 self.__dict__["_ortfx_exporting"] = False
             process = passes.after_export(_embedding_padding(self.module))
             info = marks(process(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
+            prefix = self._ortfx_save_prefix()
+            if prefix:
+                mode = "training" if call.key.training else "inference"
+                for stage, model in (("torch_exported", raw.model), ("post_processed", info.model)):
+                    with open(f"{prefix}_{stage}_{mode}.onnx", "wb") as f:
+                        f.write(model)
             compiled = Compiled(info, Timings(export=seconds))
         else:
             entry = state.lookup(call.key)
@@ -382,16 +517,33 @@ class ORTModule(torch.nn.Module):
         kind = decision_name(decision, first=first)
         line = str(Transition(state.stats.calls, kind, decision.reasons))
         cost = f" [{compiled.timings.render()}]" if compiled.timings.export else ""
-        logger.info("%s%s", line, cost)
+        self._ortfx_log.log(logging.INFO, "%s%s", line, cost)
         return compiled
 
-    def _ortfx_log_runner(self, kind: str, runner: TrainingRunner | InferenceRunner) -> None:
-        logger.info(
-            "%s session ready [%s]",
-            kind,
-            Timings(
-                gradient_build=runner.gradient_build_seconds, session=runner.session_seconds
-            ).render(),
+    def _ortfx_log_runner(
+        self,
+        kind: str,
+        compiled: Compiled,
+        runner: TrainingRunner | InferenceRunner,
+        call: Call,
+    ) -> None:
+        log = self._ortfx_log
+        if not log.enabled(logging.INFO):
+            return
+        timings = attrs.evolve(
+            compiled.timings,
+            gradient_build=runner.gradient_build_seconds,
+            session=runner.session_seconds,
+        )
+        log.log(logging.INFO, "%s session ready [one-time cost: %s]", kind, timings.render())
+        log.log(
+            logging.INFO,
+            "%s",
+            feature_table(
+                self._ortfx_options,
+                call.key.options.exporter,
+                deterministic=call.session.deterministic,
+            ),
         )
 
 

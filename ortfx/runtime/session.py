@@ -13,7 +13,13 @@ import attrs
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
-from ortfx.errors import CUDA_PROVIDER_MISSING, ORT_MISSING, OrtfxDeviceError, OrtfxInitError
+from ortfx.errors import (
+    CUDA_PROVIDER_MISSING,
+    ORT_MISSING,
+    OrtfxDeviceError,
+    OrtfxInitError,
+    OrtfxRuntimeError,
+)
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
 
@@ -133,6 +139,14 @@ def _to_torch(vector: Any) -> list[torch.Tensor]:
     return tensors
 
 
+def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> OrtfxRuntimeError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    shapes = ", ".join(str(list(t.shape)) for t in inputs)
+    return OrtfxRuntimeError(
+        f"ONNX Runtime failed to run the {what} graph on inputs of shapes {shapes}: {first}"
+    )
+
+
 class TrainingRunner:
     """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later."""
 
@@ -143,6 +157,7 @@ class TrainingRunner:
         options: Options,
         *,
         deterministic: bool,
+        save_prefix: str | None = None,
     ) -> None:
         require_ort()
         self.info = info
@@ -155,10 +170,16 @@ class TrainingRunner:
         config.enable_caching = False
         config.use_memory_efficient_gradient = False
         config.loglevel = C.Severity.ERROR
+        transforms = C.TrainingGraphTransformerConfiguration()
+        transforms.enable_compute_optimizer = options.enable_compute_optimizer
+        if save_prefix:
+            transforms.optimized_pre_grad_filepath = (
+                f"{save_prefix}_optimized_pre_grad_training.onnx"
+            )
         builder = C.OrtModuleGraphBuilder()
         try:
             builder.initialize(info.model, config)
-            builder.build(C.TrainingGraphTransformerConfiguration())
+            builder.build(transforms)
         except Exception as e:
             raise OrtfxInitError(
                 f"ONNX Runtime could not build the gradient graph: {e}. The exported graph has an "
@@ -172,9 +193,14 @@ class TrainingRunner:
 
         start = time.perf_counter()
         providers, ort_device = _providers(device)
+        so = session_options(options, training=True, deterministic=deterministic)
+        if save_prefix:
+            with open(f"{save_prefix}_optimized_training.onnx", "wb") as f:
+                f.write(self.gradient_model)
+            so.optimized_model_filepath = f"{save_prefix}_execution_model_training.onnx"
         self.session = _session(
             self.gradient_model,
-            session_options(options, training=True, deterministic=deterministic),
+            so,
             providers,
             kind="training",
             device=device,
@@ -212,7 +238,10 @@ class TrainingRunner:
             _to_ort(feeds, t)
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
-        self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+        try:
+            self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+        except Exception as e:
+            raise _run_failed("forward", inputs, e) from e
         return _to_torch(fetches), run_state
 
     def backward(
@@ -233,7 +262,10 @@ class TrainingRunner:
                 )
             _to_ort(feeds, grad)
         fetches = C.OrtValueVector()
-        self.agent.run_backward(feeds, fetches, run_state)
+        try:
+            self.agent.run_backward(feeds, fetches, run_state)
+        except Exception as e:
+            raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
         return _to_torch(fetches)
 
 
@@ -247,14 +279,20 @@ class InferenceRunner:
         options: Options,
         *,
         deterministic: bool,
+        save_prefix: str | None = None,
     ) -> None:
         require_ort()
         self.info = info
         start = time.perf_counter()
         providers, _ = _providers(device)
+        so = session_options(options, training=False, deterministic=deterministic)
+        if save_prefix:
+            with open(f"{save_prefix}_execution_model_inference.onnx", "wb") as f:
+                f.write(info.model)
+            so.optimized_model_filepath = f"{save_prefix}_optimized_inference.onnx"
         self.session = _session(
             info.model,
-            session_options(options, training=False, deterministic=deterministic),
+            so,
             providers,
             kind="inference",
             device=device,
@@ -269,5 +307,8 @@ class InferenceRunner:
             binding.bind_ortvalue_input(spec.name, _ort_value(tensor))
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
-        self.session._sess.run_with_iobinding(binding, None)
+        try:
+            self.session._sess.run_with_iobinding(binding, None)
+        except Exception as e:
+            raise _run_failed("inference", inputs, e) from e
         return _to_torch(binding.get_outputs())
