@@ -206,7 +206,7 @@ def _export_dynamo(
             program,
             dynamo=True,
             opset_version=max(opset, 18),
-            optimize=False,
+            optimize=True,
             input_names=[*input_names, *names],
         )
     assert onnx_program is not None

@@ -387,9 +387,15 @@ def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> 
     )
 
 
-def start_fallback(state: ExportState[P], key: Hashable, reason: str) -> ExportState[P]:
-    """Calls like this one (same fallback key) run in PyTorch from now on."""
+def start_fallback(
+    state: ExportState[P], key: Hashable, reason: str, *, during_call: bool = True
+) -> ExportState[P]:
+    """Calls like this one (same fallback key) run in PyTorch from now on.
+
+    ``during_call=False`` for a fallback decided at construction, before any call.
+    """
     stats = state.stats
+    n = int(during_call)
     transition = Transition(
         stats.calls, "fallback", (Reason("call", "run in ONNX Runtime", "run in PyTorch", reason),)
     )
@@ -397,7 +403,10 @@ def start_fallback(state: ExportState[P], key: Hashable, reason: str) -> ExportS
         state,
         fallbacks=(*state.fallbacks, (key, reason)),
         stats=attrs.evolve(
-            stats, calls=stats.calls + 1, fallback=reason, fallback_calls=stats.fallback_calls + 1
+            stats,
+            calls=stats.calls + n,
+            fallback=reason if during_call else None,
+            fallback_calls=stats.fallback_calls + n,
         ),
         history=(*state.history, transition)[-HISTORY_LIMIT:],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from typing import Any
 
@@ -274,3 +275,45 @@ def test_failed_call_leaves_state_unchanged() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         wrapped(X, bogus=1)
     assert ortfx.stats(wrapped) == before
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention: the TorchScript exporter bakes batch and sequence sizes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.att(x, x, x, need_weights=False)[0]
+
+
+def test_graph_that_cannot_run_a_new_shape_switches_to_dynamo_with_an_explanation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = Attention()
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model)
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for shape in [(2, 5, 16), (3, 7, 16), (2, 5, 16)]:
+            x = torch.randn(*shape)
+            model.zero_grad()
+            reference.zero_grad()
+            a, b = wrapped(x), reference(x)
+            assert max_diff(a, b) <= 1e-5
+            a.sum().backward()
+            b.sum().backward()
+            for pa, pb in zip(model.parameters(), reference.parameters(), strict=True):
+                assert max_diff(pa.grad, pb.grad) <= 5e-5  # sums over up to 21 positions
+    assert [str(t) for t in ortfx.explain(wrapped)] == [
+        "export: module was never exported, now called (first call)",
+        "re-export: option exporter was 'torchscript', now 'dynamo' (an export option changed)",
+    ]
+    message = caplog.records[0].getMessage()
+    assert message.startswith(
+        "the torchscript graph cannot run these input sizes (ONNX Runtime failed"
+    )
+    assert message.endswith(
+        "switching this module to the dynamo exporter, which keeps sizes symbolic"
+    )

@@ -50,7 +50,7 @@ class WrapperLog:
 def captured(log: WrapperLog, what: str) -> Iterator[None]:
     """Capture stdout/stderr, native writes included (ORT and the exporter print from C++).
 
-    The text is logged at VERBOSE, and at ERROR when the block raises.
+    The text is logged at VERBOSE, and attached as a note to an exception the block raises.
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -59,12 +59,12 @@ def captured(log: WrapperLog, what: str) -> Iterator[None]:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
         text_sink = open(sink.fileno(), "w", closefd=False)  # noqa: SIM115 - closed below
-        failed = False
+        error: BaseException | None = None
         try:
             with contextlib.redirect_stdout(text_sink), contextlib.redirect_stderr(text_sink):
                 yield
-        except BaseException:
-            failed = True
+        except BaseException as e:
+            error = e
             raise
         finally:
             text_sink.close()
@@ -75,9 +75,11 @@ def captured(log: WrapperLog, what: str) -> Iterator[None]:
             sink.seek(0)
             text = sink.read().decode(errors="replace").strip()
             if text:
-                log.log(
-                    logging.ERROR if failed else LogLevel.VERBOSE, "output of %s:\n%s", what, text
-                )
+                log.log(LogLevel.VERBOSE, "output of %s:\n%s", what, text)
+                if error is not None:
+                    # Shown with the traceback if the error reaches the user; a fallback that
+                    # catches it keeps the (often long) dump out of the log.
+                    error.add_note(f"output of {what}:\n{text}")
 
 
 def feature_table(options: Options, exporter: str, *, deterministic: bool) -> str:

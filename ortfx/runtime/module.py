@@ -186,7 +186,7 @@ class ORTModule(torch.nn.Module):
                 unsupported = e
         if unsupported is not None:
             # Nothing about a later call can fix these: fall back for good, or raise.
-            self._ortfx_fall_back(unsupported, key=_ALWAYS, retry=False)
+            self._ortfx_fall_back(unsupported, key=_ALWAYS, retry=False, during_call=False)
 
     # ---- construction, pickling -----------------------------------------------------------
 
@@ -347,13 +347,15 @@ class ORTModule(torch.nn.Module):
             self._ortfx_fall_back(error, key=_fallback_key(args, kwargs))
             return self.module(*args, **kwargs)
 
-    def _ortfx_fall_back(self, error: OrtfxError, *, key: Hashable, retry: bool = True) -> None:
+    def _ortfx_fall_back(
+        self, error: OrtfxError, *, key: Hashable, retry: bool = True, during_call: bool = True
+    ) -> None:
         """Start running calls like this one in PyTorch, if the policy allows; else raise."""
         flag = next(f for t, f in _FALLBACK_FLAGS if isinstance(error, t))
         options = self._ortfx_options
         if not options.fallback_policy.allows(flag):
             raise error
-        reason = f"{type(error).__name__}: {error}"
+        reason = f"{type(error).__name__}: {str(error).rstrip('.')}"
         later = (
             "a call with a new input schema will try ONNX Runtime again"
             if retry and options.fallback_retry
@@ -368,7 +370,9 @@ class ORTModule(torch.nn.Module):
             reason,
             later[0].upper() + later[1:],
         )
-        self.__dict__["_ortfx_state"] = start_fallback(self._ortfx_state, key, reason)
+        self.__dict__["_ortfx_state"] = start_fallback(
+            self._ortfx_state, key, reason, during_call=during_call
+        )
 
     def _ortfx_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, spec = io.flatten(io.call_tree(args, kwargs))

@@ -1,0 +1,287 @@
+"""Options, environment variables, DebugOptions, logging, saved models and fallback policy."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from ortfx import options as options_module
+from ortfx.options import FallbackPolicy, LogLevel, Options
+from tests import models
+from tests.models import max_diff
+
+
+@pytest.fixture(autouse=True)
+def _fresh_env_warnings() -> Iterator[None]:
+    options_module._warned.clear()
+    yield
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "field", "expected"),
+    [
+        ("ORTMODULE_LOG_LEVEL", "info", "log_level", LogLevel.INFO),
+        ("ORTMODULE_LOG_LEVEL", "VERBOSE", "log_level", LogLevel.VERBOSE),
+        (
+            "ORTMODULE_FALLBACK_POLICY",
+            "FALLBACK_DISABLE",
+            "fallback_policy",
+            FallbackPolicy.DISABLE,
+        ),
+        (
+            "ORTMODULE_FALLBACK_POLICY",
+            "FALLBACK_UNSUPPORTED_DATA|FALLBACK_UNSUPPORTED_DEVICE",
+            "fallback_policy",
+            FallbackPolicy.UNSUPPORTED_DATA | FallbackPolicy.UNSUPPORTED_DEVICE,
+        ),
+        ("ORTMODULE_FALLBACK_RETRY", "0", "fallback_retry", False),
+        ("ORTMODULE_FALLBACK_RETRY", "true", "fallback_retry", True),
+        ("ORTMODULE_ONNX_OPSET_VERSION", "18", "opset_version", 18),
+        ("ORTMODULE_MEMORY_OPT_LEVEL", "1", "memory_opt_level", 1),
+        ("ORTMODULE_MEMORY_OPT_CONFIG", "Gelu+:1:-1", "memory_opt_config", "Gelu+:1:-1"),
+        ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "0", "enable_compute_optimizer", False),
+        ("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "1", "deepcopy_before_export", True),
+        ("ORTFX_EXPORTER", "dynamo", "exporter", "dynamo"),
+        ("ORTFX_INTRA_OP_THREADS", "3", "intra_op_threads", 3),
+        ("ORTFX_ALLOW_SPINNING", "1", "allow_spinning", True),
+    ],
+)
+def test_environment_variables_set_options(
+    variable: str, raw: str, field: str, expected: Any
+) -> None:
+    assert getattr(Options.from_env(environ={variable: raw}), field) == expected
+
+
+def test_save_path_from_environment(tmp_path: Any) -> None:
+    assert Options.from_env(environ={"ORTMODULE_SAVE_ONNX_PATH": str(tmp_path)}).save_path == str(
+        tmp_path
+    )
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "choices"),
+    [
+        ("ORTMODULE_LOG_LEVEL", "LOUD", "VERBOSE, DEVINFO, INFO, WARNING, ERROR, FATAL"),
+        (
+            "ORTMODULE_FALLBACK_POLICY",
+            "SOMETIMES",
+            "FALLBACK_DISABLE | FALLBACK_UNSUPPORTED_DEVICE | FALLBACK_UNSUPPORTED_DATA | "
+            "FALLBACK_UNSUPPORTED_TORCH_MODEL | FALLBACK_UNSUPPORTED_ONNX_MODEL | "
+            "FALLBACK_BAD_INITIALIZATION (joined by |)",
+        ),
+        ("ORTMODULE_FALLBACK_RETRY", "maybe", "1/0, true/false"),
+        ("ORTMODULE_ONNX_OPSET_VERSION", "9", "an int from 14 to 20"),
+        ("ORTMODULE_MEMORY_OPT_LEVEL", "3", "0, 1 or 2"),
+        ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "yes please", "1 or 0"),
+        ("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "2", "1 or 0"),
+        ("ORTFX_EXPORTER", "onnxscript", "auto, torchscript, dynamo"),
+        ("ORTFX_INTRA_OP_THREADS", "0", "a positive int"),
+        ("ORTFX_ALLOW_SPINNING", "fast", "1 or 0"),
+    ],
+)
+def test_invalid_environment_values_warn_once_and_keep_the_default(
+    variable: str, raw: str, choices: str
+) -> None:
+    with pytest.warns(ortfx.OrtfxWarning) as record:
+        got = Options.from_env(environ={variable: raw})
+        Options.from_env(environ={variable: raw})  # the same value again: no second warning
+    assert got == Options()
+    assert [str(w.message) for w in record] == [
+        f"ignoring {variable}={raw!r}: expected {choices}; keeping the default."
+    ]
+
+
+def test_unwritable_save_path_from_environment_warns() -> None:
+    with pytest.warns(
+        ortfx.OrtfxWarning, match="ignoring ORTMODULE_SAVE_ONNX_PATH='/nonexistent/x'"
+    ):
+        got = Options.from_env(
+            Options(save_onnx=True, onnx_prefix="m", save_path=os.getcwd()),
+            environ={"ORTMODULE_SAVE_ONNX_PATH": "/nonexistent/x"},
+        )
+    assert got.save_path == os.getcwd()
+
+
+def test_debug_options_validation_messages(tmp_path: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        ortfx.DebugOptions(log_level="INFO")  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "'log_level' must be an ortfx.LogLevel (got 'INFO' that is a str); use e.g. ortfx.LogLevel.INFO."
+    )
+    with pytest.raises(TypeError) as info:
+        ortfx.DebugOptions(save_onnx=True, onnx_prefix=3)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "'onnx_prefix' must be a str (got 3 that is a int); it starts the names of the saved ONNX files."
+    )
+    with pytest.raises(ValueError, match=r"^save_onnx=True needs a non-empty onnx_prefix"):
+        ortfx.DebugOptions(save_onnx=True)
+    missing = str(tmp_path / "missing")
+    with pytest.raises(OSError) as os_info:
+        ortfx.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=missing)
+    assert str(os_info.value) == (
+        f"save_onnx=True but the directory {missing!r} does not exist or is not writable; "
+        "pass a writable save_path or set ORTMODULE_SAVE_ONNX_PATH."
+    )
+
+
+def test_debug_options_must_be_debug_options() -> None:
+    with pytest.raises(TypeError, match=r"^debug_options must be an ortfx.DebugOptions, got dict"):
+        ortfx.ORTModule(models.MLP(), {"log_level": "INFO"})  # type: ignore[arg-type]
+
+
+def test_saved_onnx_files_per_mode(tmp_path: Any) -> None:
+    debug = ortfx.DebugOptions(save_onnx=True, onnx_prefix="mlp", save_path=str(tmp_path))
+    wrapped = ortfx.ORTModule(models.MLP(), debug)
+    x = torch.randn(2, 8)
+    wrapped(x).sum().backward()
+    wrapped.eval()
+    with torch.no_grad():
+        wrapped(x)
+    assert sorted(os.listdir(tmp_path)) == [
+        "mlp_execution_model_inference.onnx",
+        "mlp_execution_model_training.onnx",
+        "mlp_optimized_inference.onnx",
+        "mlp_optimized_pre_grad_training.onnx",
+        "mlp_optimized_training.onnx",
+        "mlp_post_processed_inference.onnx",
+        "mlp_post_processed_training.onnx",
+        "mlp_torch_exported_inference.onnx",
+        "mlp_torch_exported_training.onnx",
+    ]
+    import onnx
+
+    for name in os.listdir(tmp_path):
+        onnx.load(str(tmp_path / name))  # each is a readable ONNX model
+
+
+def test_environment_log_level_overrides_the_constructor(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "ERROR")
+    wrapped = ortfx.ORTModule(models.MLP(), ortfx.DebugOptions(log_level=LogLevel.INFO))
+    assert wrapped._ortfx_options.log_level == LogLevel.ERROR
+    with caplog.at_level(logging.DEBUG, logger="ortfx"):
+        wrapped(torch.randn(2, 8)).sum().backward()
+    assert [r for r in caplog.records if r.name == "ortfx"] == []
+
+
+def test_info_logs_transition_costs_and_feature_table(caplog: pytest.LogCaptureFixture) -> None:
+    wrapped = ortfx.ORTModule(models.MLP(), ortfx.DebugOptions(log_level=LogLevel.INFO))
+    with caplog.at_level(logging.DEBUG, logger="ortfx"):
+        wrapped(torch.randn(2, 8)).sum().backward()
+        wrapped(torch.randn(3, 8)).sum().backward()
+    messages = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
+    assert len(messages) == 3  # one transition, one session line, one feature table
+    assert messages[0].startswith(
+        "export: module was never exported, now called (first call) [export "
+    )
+    assert messages[1].startswith("training session ready [one-time cost: export ")
+    assert "gradient build" in messages[1] and "session" in messages[1]
+    table = messages[2]
+    assert table.startswith("features:\n")
+    for feature in (
+        "Exporter",
+        "Compute optimizer",
+        "Memory optimizer",
+        "Fallback to PyTorch",
+        "Save ONNX",
+        "Deterministic compute",
+        "Threads",
+    ):
+        assert f"  {feature}" in table
+    assert "ORTMODULE_FALLBACK_POLICY" in table
+
+
+class Odd:
+    """Not a supported leaf or container."""
+
+
+class TakesAnything(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, extra: Any = None, use_diff: bool = False) -> torch.Tensor:
+        y = self.lin(x)
+        return torch.diff(y, dim=-1) if use_diff else y
+
+
+X = torch.randn(3, 4)
+
+
+@pytest.mark.parametrize(
+    ("call", "flag", "error"),
+    [
+        ({"extra": Odd()}, FallbackPolicy.UNSUPPORTED_DATA, ortfx.OrtfxIOError),
+        ({"use_diff": True}, FallbackPolicy.UNSUPPORTED_ONNX_MODEL, ortfx.OrtfxExportError),
+    ],
+)
+def test_fallback_under_each_policy(
+    call: dict[str, Any],
+    flag: FallbackPolicy,
+    error: type[Exception],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = TakesAnything()
+    # Allowed: the result is exactly PyTorch's, with a WARNING naming the exception and the fix.
+    wrapped = ortfx.ORTModule(model, options=Options(fallback_policy=flag))
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        out = wrapped(X, **call)
+    assert torch.equal(out, model(X, **call))
+    warning = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
+    assert len(warning) == 1
+    assert warning[0].startswith(
+        f"falling back to PyTorch (policy {flag.name} allows it): {error.__name__}: "
+    )
+    assert "FallbackPolicy.DISABLE" in warning[0]
+    stats = ortfx.stats(wrapped)
+    assert stats.fallback is not None and stats.fallback.startswith(error.__name__)
+    assert stats.fallback_calls == 1
+    # The next ORT-able call runs in ORT again, and the stats say fallback is no longer active.
+    assert max_diff(wrapped(X), model(X)) <= 1e-6
+    assert ortfx.stats(wrapped).fallback is None
+    # Disabled, or a policy without this flag: the typed error reaches the user.
+    for policy in (FallbackPolicy.DISABLE, FallbackPolicy.UNSUPPORTED_DEVICE):
+        strict = ortfx.ORTModule(model, options=Options(fallback_policy=policy))
+        with pytest.raises(error):
+            strict(X, **call)
+
+
+def test_data_parallel_falls_back_for_good_under_the_default_policy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inner = models.MLP()
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        wrapped = ortfx.ORTModule(nn.DataParallel(inner))
+    x = torch.randn(2, 8)
+    assert torch.equal(wrapped(x), inner(x))
+    assert "UNSUPPORTED_TORCH_MODEL" in caplog.records[0].getMessage()
+    assert "Every later call runs in PyTorch" in caplog.records[0].getMessage()
+    assert ortfx.stats(wrapped).fallback_calls == 1 and ortfx.stats(wrapped).exports == 0
+
+
+def test_retry_tries_ort_again_for_a_new_schema_and_not_for_the_failed_one() -> None:
+    model = TakesAnything()
+    wrapped = ortfx.ORTModule(model)
+    wrapped(X, use_diff=True)  # export fails: fallback for this schema
+    wrapped(X, use_diff=True)  # same schema: straight to PyTorch, no new export attempt
+    wrapped(X)  # new schema: ORT again
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.fallback_calls, s.calls) == (1, 2, 3)
+    assert [t.kind for t in ortfx.explain(wrapped)] == ["fallback", "export"]
+
+
+def test_without_retry_every_later_call_runs_in_pytorch() -> None:
+    model = TakesAnything()
+    wrapped = ortfx.ORTModule(model, options=Options(fallback_retry=False))
+    wrapped(X, use_diff=True)
+    assert torch.equal(wrapped(X), model(X))
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.fallback_calls) == (0, 2)
