@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,9 +18,8 @@ from tests.models import max_diff
 
 
 @pytest.fixture(autouse=True)
-def _fresh_env_warnings() -> Iterator[None]:
+def _fresh_env_warnings() -> None:
     options_module._warned.clear()
-    yield
 
 
 @pytest.mark.parametrize(
@@ -123,7 +121,7 @@ def test_debug_options_validation_messages(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"^save_onnx=True needs a non-empty onnx_prefix"):
         ortfx.DebugOptions(save_onnx=True)
     missing = str(tmp_path / "missing")
-    with pytest.raises(OSError) as os_info:
+    with pytest.raises(OSError, match="does not exist or is not writable") as os_info:
         ortfx.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=missing)
     assert str(os_info.value) == (
         f"save_onnx=True but the directory {missing!r} does not exist or is not writable; "
