@@ -13,14 +13,16 @@ from ortfx.errors import (
     OrtfxTorchModelError,
     OrtfxWarning,
 )
+from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
-from ortfx.runtime.module import ORTModule, explain, invalidate, stats
+from ortfx.runtime.module import ORTModule, configure, explain, invalidate, memory_report, stats
 from ortfx.transitions import Reason, Stats, Transition
 
 __all__ = [
     "DebugOptions",
     "FallbackPolicy",
     "LogLevel",
+    "MemoryPlan",
     "ORTModule",
     "Options",
     "OrtfxDeviceError",
@@ -34,7 +36,9 @@ __all__ = [
     "Reason",
     "Stats",
     "Transition",
+    "configure",
     "explain",
     "invalidate",
+    "memory_report",
     "stats",
 ]

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import onnx
 import torch
@@ -82,6 +83,46 @@ def preserved_random_state() -> Iterator[None]:
         torch.random.set_rng_state(torch_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+
+
+@attrs.frozen
+class Exported:
+    """What one export produced."""
+
+    info: PostExportProcessedModelInfo
+    seconds: float
+    checkpoint_calls: int  # torch.utils.checkpoint calls traced directly
+
+
+@contextlib.contextmanager
+def checkpoints_traced_directly() -> Iterator[list[int]]:
+    """Trace the function inside ``torch.utils.checkpoint.checkpoint`` as plain code.
+
+    The reentrant variant is an autograd.Function the exporter cannot express; recompute is
+    ORT's job (the memory optimizer). Yields a one-item list counting the calls.
+    """
+    from torch.utils import checkpoint as ckpt  # private attributes patched for the export only
+
+    calls = [0]
+    reentrant, generator = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+
+    class Direct:
+        @staticmethod
+        def apply(function: Any, _preserve: bool, *args: Any) -> Any:
+            calls[0] += 1
+            return function(*args)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return generator(*args, **kwargs)
+
+    ckpt.CheckpointFunction = Direct  # type: ignore[misc,assignment]
+    ckpt._checkpoint_without_reentrant_generator = counted
+    try:
+        yield calls
+    finally:
+        ckpt.CheckpointFunction = reentrant  # type: ignore[misc]
+        ckpt._checkpoint_without_reentrant_generator = generator
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -218,7 +259,7 @@ def export(
     leaves: Sequence[Any],
     schema: ModelSchema,
     options: ExportOptions,
-) -> tuple[PostExportProcessedModelInfo, float]:
+) -> Exported:
     """Export ``module`` for calls of ``schema`` (example ``leaves``); return the raw record.
 
     The record's ``inputs`` are the graph's inputs as exported (user tensors by path, then
@@ -232,7 +273,7 @@ def export(
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
     try:
-        with preserved_random_state(), torch.no_grad():
+        with preserved_random_state(), torch.no_grad(), checkpoints_traced_directly() as calls:
             model = exporter(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:
         raise
@@ -284,4 +325,4 @@ def export(
             f"the module returned {len(tensor_outputs)} tensors but the exported graph has "
             f"{len(output_names)} outputs; this is an ortfx bug, please report it."
         )
-    return info, time.perf_counter() - start
+    return Exported(info, time.perf_counter() - start, calls[0])

@@ -103,6 +103,14 @@ def _prefix(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         )
 
 
+def _memory_config(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"'{attribute.name}' must be a str (got {value!r}).")
+    from ortfx.memory import parse_config
+
+    parse_config(value)  # raises ValueError naming the malformed entry
+
+
 @attrs.frozen
 class ExportOptions:
     """The options that change the exported or processed graph; part of the export key."""
@@ -128,7 +136,8 @@ class Options:
     # Export from a deep copy, for modules whose forward mutates their own state.
     deepcopy_before_export: bool = False
     memory_opt_level: int = attrs.field(default=0, validator=_one_of(0, 1, 2))
-    memory_opt_config: str = ""
+    # A JSON file of plan strings or inline "Gelu+:1:-1,FusedMatMul+:1:12"; see ortfx.memory.
+    memory_opt_config: str = attrs.field(default="", validator=_memory_config)
     fallback_policy: FallbackPolicy = DEFAULT_FALLBACK
     # After a fallback, try ORT again when a new input schema arrives.
     fallback_retry: bool = True

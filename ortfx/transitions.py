@@ -60,6 +60,8 @@ class GradState:
     inputs: tuple[bool, ...]
     params: tuple[bool, ...]
     param_names: tuple[str, ...] = attrs.field(eq=False)
+    # (memory_opt_level, memory_opt_config): the gradient graph's recompute plans.
+    memory: tuple[int, str] = (0, "")
 
 
 @attrs.frozen
@@ -279,6 +281,13 @@ def explain_grad(seen: GradState, given: GradState, paths: tuple[str, ...]) -> t
             for name, a, b in zip(given.param_names, seen.params, given.params, strict=True)
             if a != b
         )
+    for name, a, b in zip(
+        ("memory_opt_level", "memory_opt_config"), seen.memory, given.memory, strict=True
+    ):
+        if a != b:
+            reasons.append(
+                Reason(f"option {name}", repr(a), repr(b), "a memory optimizer option changed")
+            )
     return tuple(reasons)
 
 

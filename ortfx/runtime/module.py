@@ -18,7 +18,7 @@ import attrs
 import onnx
 import torch
 
-from ortfx import io, passes
+from ortfx import io, memory, passes
 from ortfx.errors import (
     DATA_PARALLEL,
     INPUT_ON_OTHER_DEVICE,
@@ -35,11 +35,18 @@ from ortfx.errors import (
 )
 from ortfx.export import export, resolve_exporter
 from ortfx.io import STATIC_TYPES
-from ortfx.model_info import PostExportProcessedModelInfo
+from ortfx.memory import MemoryPlan
+from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import DebugOptions, FallbackPolicy, Options
 from ortfx.runtime.autograd import RunORT
 from ortfx.runtime.logs import WrapperLog, captured, feature_table
-from ortfx.runtime.session import InferenceRunner, Timings, TrainingRunner, require_ort
+from ortfx.runtime.session import (
+    InferenceRunner,
+    Timings,
+    TrainingRunner,
+    require_ort,
+    with_symbolic_shapes,
+)
 from ortfx.schema import ModelSchema, TensorSpec, leaf_spec, tensorize_scalars
 from ortfx.transitions import (
     REPEATED_REEXPORT,
@@ -74,6 +81,8 @@ class Compiled:
         self.training: TrainingRunner | None = None
         self.inference: InferenceRunner | None = None
         self.ran = False  # whether ORT has run this graph once (shape failures after that)
+        self.memory: tuple[MemoryPlan, ...] | None = None  # the recompute report, once known
+        self.dims: dict[str, int] = {}  # input dim name -> size when the runner was built
 
 
 # The fallback key of failures that no later call can fix (unsupported module, no ORT).
@@ -395,6 +404,7 @@ class ORTModule(torch.nn.Module):
                 schema.requires_grad,
                 tuple(p.requires_grad for p in tracked.params),
                 tracked.param_names,
+                (self._ortfx_options.memory_opt_level, self._ortfx_options.memory_opt_config),
             ),
             SessionKey(str(tracked.device), torch.are_deterministic_algorithms_enabled()),
         )
@@ -410,6 +420,8 @@ class ORTModule(torch.nn.Module):
         needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
         try:
             if needs_grad:
+                if compiled.training is None:
+                    compiled.dims = _input_dims(compiled.info, leaves)
                 runner = self._ortfx_training_runner(compiled, tracked.device, call)
                 outputs = RunORT.apply(runner, *inputs)  # type: ignore[no-untyped-call]
             else:
@@ -446,17 +458,113 @@ class ORTModule(torch.nn.Module):
     def _ortfx_training_runner(
         self, compiled: Compiled, device: torch.device, call: Call
     ) -> TrainingRunner:
-        if compiled.training is None:
+        if compiled.training is not None:
+            return compiled.training
+        options = self._ortfx_options
+        level = options.memory_opt_level
+        plans = memory.parse_config(options.memory_opt_config) if level == 0 else ()
+        info = passes.seed_dropouts(torch.initial_seed())(compiled.info)
+        if level or plans:
+            info = with_symbolic_shapes(info)
+
+        def build(plans_on: tuple[str, ...] | None, probe: str) -> TrainingRunner:
             with captured(self._ortfx_log, "the gradient build and session creation"):
-                compiled.training = TrainingRunner(
-                    passes.seed_dropouts(torch.initial_seed())(compiled.info),
+                return TrainingRunner(
+                    info,
                     device,
-                    self._ortfx_options,
+                    options,
                     deterministic=call.session.deterministic,
                     save_prefix=self._ortfx_save_prefix(),
+                    memory=None if plans_on is None else (probe, plans_on),
                 )
-            self._ortfx_log_runner("training", compiled, compiled.training, call)
-        return compiled.training
+
+        runner = build(None, "1:0")
+        if level or plans:
+            # Discover the plans of this graph, choose per level (or the user's), rebuild.
+            probe = "1:1" if level else "1:0"
+            discovered = runner.memory_stat(probe)
+            enabled = memory.select(discovered, level, plans)
+            if enabled:
+                runner = build(enabled, probe)
+            compiled.memory = memory.report(discovered, enabled, compiled.dims)
+            self._ortfx_log_memory(compiled.memory, discovered, plans)
+        compiled.training = runner
+        self._ortfx_log_runner("training", compiled, runner, call)
+        return runner
+
+    def _ortfx_log_checkpoint(self, calls: int) -> None:
+        level = self._ortfx_options.memory_opt_level
+        if level:
+            self._ortfx_log.log(
+                logging.INFO,
+                "the module calls torch.utils.checkpoint %d time(s); ortfx exports the "
+                "checkpointed functions as plain code and memory_opt_level %d recomputes "
+                "layer-wise inside ONNX Runtime instead",
+                calls,
+                level,
+            )
+        else:
+            self._ortfx_log.log(
+                logging.WARNING,
+                "the module calls torch.utils.checkpoint %d time(s); ortfx exports the "
+                "checkpointed functions as plain code, so at memory_opt_level 0 their "
+                "activations are kept like any others (no recompute). For layer-wise recompute "
+                "inside ONNX Runtime pass Options(memory_opt_level=1) or set "
+                "ORTMODULE_MEMORY_OPT_LEVEL=1",
+                calls,
+            )
+
+    def _ortfx_log_memory(
+        self,
+        rows: tuple[MemoryPlan, ...],
+        discovered: Mapping[str, tuple[str, int]],
+        plans: tuple[memory.Plan, ...],
+    ) -> None:
+        options, log = self._ortfx_options, self._ortfx_log
+        if (
+            options.memory_opt_level
+            and options.memory_opt_config
+            and not self.__dict__.get("_ortfx_said_ignored")
+        ):
+            self.__dict__["_ortfx_said_ignored"] = True
+            log.log(
+                logging.WARNING,
+                "memory_opt_level %d turns on every layer-wise plan itself and ignores "
+                "memory_opt_config %r; use level 0 to apply only the listed plans",
+                options.memory_opt_level,
+                options.memory_opt_config,
+            )
+        found = {c.split(",")[0].rsplit(":", 2)[0] for c in discovered}
+        for plan in plans:
+            if plan.cluster not in found:
+                log.log(
+                    logging.WARNING,
+                    "memory optimizer plan %s matches nothing in this graph; its plans are: %s",
+                    plan,
+                    ", ".join(sorted(discovered)) or "none",
+                )
+        log.log(logging.INFO, "%s", memory.render(rows, options.memory_opt_level))
+
+    def _ortfx_memory_report(self) -> tuple[MemoryPlan, ...]:
+        """The recompute plans of the most recent training graph (discovered on demand)."""
+        for entry in reversed(self._ortfx_state.entries):
+            compiled = entry.payload
+            if compiled.training is None:
+                continue
+            if compiled.memory is None:
+                info = with_symbolic_shapes(compiled.info)
+                probe = TrainingRunner(
+                    info,
+                    torch.device(entry.session.device),
+                    self._ortfx_options,
+                    deterministic=entry.session.deterministic,
+                )
+                compiled.memory = memory.report(probe.memory_stat("1:0"), (), compiled.dims)
+            return compiled.memory
+        raise RuntimeError(
+            "ortfx.memory_report: this model has not run a training step through ONNX Runtime "
+            "yet; call it after the first forward with gradients."
+        )
 
     def _ortfx_inference_runner(
         self, compiled: Compiled, device: torch.device, call: Call
@@ -497,9 +605,12 @@ class ORTModule(torch.nn.Module):
             self.__dict__["_ortfx_exporting"] = True
             try:
                 with captured(self._ortfx_log, "the ONNX export"):
-                    raw, seconds = export(source, leaves, call.key.schema, call.key.options)
+                    exported = export(source, leaves, call.key.schema, call.key.options)
             finally:
                 self.__dict__["_ortfx_exporting"] = False
+            raw, seconds = exported.info, exported.seconds
+            if exported.checkpoint_calls:
+                self._ortfx_log_checkpoint(exported.checkpoint_calls)
             process = passes.after_export(_embedding_padding(self.module))
             info = marks(process(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
             prefix = self._ortfx_save_prefix()
@@ -549,6 +660,16 @@ class ORTModule(torch.nn.Module):
                 deterministic=call.session.deterministic,
             ),
         )
+
+
+def _input_dims(info: PostExportProcessedModelInfo, leaves: list[Any]) -> dict[str, int]:
+    """Each user input's dim names (as exported: ``{name}_dim{d}``) with their current sizes."""
+    return {
+        f"{spec.name}_dim{d}": size
+        for spec in info.inputs
+        if spec.kind is InputKind.USER
+        for d, size in enumerate(leaves[spec.source].shape)  # type: ignore[index]
+    }
 
 
 def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:
@@ -623,6 +744,27 @@ def stats(model: torch.nn.Module) -> Stats:
 def explain(model: torch.nn.Module) -> tuple[Transition, ...]:
     """Every transition so far (exports, re-processes, new sessions) with its reasons."""
     return _wrapper(model)._ortfx_state.history
+
+
+def memory_report(model: torch.nn.Module) -> tuple[MemoryPlan, ...]:
+    """The memory optimizer's recompute plans for ``model``'s current training graph: cluster,
+    ON/OFF, the config string that enables it, frequency and estimated bytes saved per step."""
+    return _wrapper(model)._ortfx_memory_report()
+
+
+def configure(model: torch.nn.Module, **changes: Any) -> None:
+    """Change options of a live wrapper, e.g. ``ortfx.configure(model, memory_opt_level=1)``.
+
+    Options that change the exported graph re-export; memory optimizer options re-process;
+    invalid values raise and leave the wrapper as it was.
+    """
+    wrapper = _wrapper(model)
+    options = attrs.evolve(wrapper._ortfx_options, **changes)
+    own = wrapper.__dict__
+    own["_ortfx_options"] = options
+    own["_ortfx_exporter"] = resolve_exporter(options.exporter)
+    own["_ortfx_dynamic"] = frozenset(options.dynamic_scalars)
+    own["_ortfx_log"] = WrapperLog(options.log_level)
 
 
 def invalidate(model: torch.nn.Module, reason: str = "ortfx.invalidate() was called") -> None:

@@ -5,6 +5,9 @@ Only this module (and nothing in the pure core) imports onnxruntime.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -147,6 +150,21 @@ def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> 
     )
 
 
+def with_symbolic_shapes(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+    """Annotate intermediate values with sizes in terms of the input dims, so that ORT's
+    memory estimates are expressions of input sizes; unchanged if inference fails."""
+    import onnx
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        model = SymbolicShapeInference.infer_shapes(
+            onnx.load_model_from_string(info.model), auto_merge=True, guess_output_rank=True
+        )
+    except Exception:
+        return info
+    return attrs.evolve(info, model=model.SerializeToString())
+
+
 class TrainingRunner:
     """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later."""
 
@@ -158,7 +176,9 @@ class TrainingRunner:
         *,
         deterministic: bool,
         save_prefix: str | None = None,
+        memory: tuple[str, tuple[str, ...]] | None = None,
     ) -> None:
+        """``memory`` is (probe config, plan strings) to turn the memory optimizer on."""
         require_ort()
         self.info = info
         start = time.perf_counter()
@@ -194,17 +214,30 @@ class TrainingRunner:
         start = time.perf_counter()
         providers, ort_device = _providers(device)
         so = session_options(options, training=True, deterministic=deterministic)
+        plan_file = None
+        if memory is not None:
+            probe, plans = memory
+            # ORT reads the plans from a JSON file while it creates the session.
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as plan_file:
+                json.dump(list(plans), plan_file)
+            so.add_session_config_entry("optimization.memory_optimizer_config", plan_file.name)
+            so.add_session_config_entry("optimization.enable_memory_probe_recompute_config", probe)
+            so.execution_order = ort.ExecutionOrder.MEMORY_EFFICIENT
         if save_prefix:
             with open(f"{save_prefix}_optimized_training.onnx", "wb") as f:
                 f.write(self.gradient_model)
             so.optimized_model_filepath = f"{save_prefix}_execution_model_training.onnx"
-        self.session = _session(
-            self.gradient_model,
-            so,
-            providers,
-            kind="training",
-            device=device,
-        )
+        try:
+            self.session = _session(
+                self.gradient_model,
+                so,
+                providers,
+                kind="training",
+                device=device,
+            )
+        finally:
+            if plan_file is not None:
+                os.unlink(plan_file.name)
         gi = self.graph_info
         feeds = [*gi.user_input_names, *gi.initializer_names]
         ours = [i.name for i in info.inputs]
@@ -230,6 +263,11 @@ class TrainingRunner:
         self.saved_outputs = tuple(gi.module_output_indices_requires_save_for_backward)
         # Where each backward fetch goes among the autograd Function's inputs.
         self.grad_slots = tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad)
+
+    def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
+        """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
+        _, stat = self.agent.get_serialized_ortmodule_memory_stat("", probe, False)
+        return {k: (str(v[0]), int(v[1])) for k, v in stat.items()}
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         feeds = C.OrtValueVector()
