@@ -101,7 +101,7 @@ def feature_table(options: Options, exporter: str, *, deterministic: bool) -> st
         ),
         (
             "Fallback to PyTorch",
-            "OFF" if FallbackPolicy.DISABLE in policy else str(policy.name),
+            _policy(policy),
             "Options(fallback_policy=...) or ORTMODULE_FALLBACK_POLICY",
         ),
         ("Fallback retry", _on(options.fallback_retry), "ORTMODULE_FALLBACK_RETRY=0/1"),
@@ -126,6 +126,13 @@ def feature_table(options: Options, exporter: str, *, deterministic: bool) -> st
     value_width = max(len(r[1]) for r in rows)
     lines = [f"  {n:<{width}}  {v:<{value_width}}  ({how})" for n, v, how in rows]
     return "features:\n" + "\n".join(lines)
+
+
+def _policy(policy: FallbackPolicy) -> str:
+    if FallbackPolicy.DISABLE in policy or not policy:
+        return "OFF"
+    names = [f.name or "" for f in FallbackPolicy if f in policy]
+    return ", ".join(n.lower().removeprefix("unsupported_").replace("_", " ") for n in names)
 
 
 def _on(value: bool) -> str:
