@@ -6,8 +6,11 @@ Tolerance: 1e-5 absolute for fp32 unless stated; the reason is given where it is
 from __future__ import annotations
 
 import copy
+import logging
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 import ortfx
 from tests import models
@@ -102,3 +105,22 @@ def test_dynamic_batch_and_sequence_one_export_parity_every_step() -> None:
         for pa, pb in zip(model.parameters(), reference.parameters(), strict=True):
             assert max_diff(pa.grad, pb.grad) <= 1e-4  # sums over up to 8x8 positions
     assert ortfx.stats(wrapped).exports == 1
+
+
+class SlicedLogits(models.TinyGPT):
+    """Slices the logits before the loss: ORT 1.19's compute optimizer crashes on this graph."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks(self.emb(ids)))[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def test_compute_optimizer_failure_rebuilds_without_it(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        check_parity(SlicedLogits(), (ids, ids), loss=lambda loss: loss)
+    said = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
+    assert len(said) == 1
+    assert said[0].startswith("ONNX Runtime's compute optimizer failed on this graph (")
+    assert "the gradient graph was built without it" in said[0]

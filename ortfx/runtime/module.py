@@ -489,6 +489,14 @@ class ORTModule(torch.nn.Module):
             compiled.memory = memory.report(discovered, enabled, compiled.dims)
             self._ortfx_log_memory(compiled.memory, discovered, plans)
         compiled.training = runner
+        if runner.compute_optimizer_failure:
+            self._ortfx_log.log(
+                logging.WARNING,
+                "ONNX Runtime's compute optimizer failed on this graph (%s); the gradient graph "
+                "was built without it. Options(enable_compute_optimizer=False) or "
+                "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0 skips the failing attempt",
+                runner.compute_optimizer_failure,
+            )
         self._ortfx_log_runner("training", compiled, runner, call)
         return runner
 

@@ -143,7 +143,7 @@ def _to_torch(vector: Any) -> list[torch.Tensor]:
 
 
 def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> OrtfxRuntimeError:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = _first_line(error)
     shapes = ", ".join(str(list(t.shape)) for t in inputs)
     return OrtfxRuntimeError(
         f"ONNX Runtime failed to run the {what} graph on inputs of shapes {shapes}: {first}"
@@ -163,6 +163,32 @@ def with_symbolic_shapes(info: PostExportProcessedModelInfo) -> PostExportProces
     except Exception:
         return info
     return attrs.evolve(info, model=model.SerializeToString())
+
+
+GRADIENT_BUILD_FAILED = (
+    "ONNX Runtime could not build the gradient graph: {error}. Save the graphs with "
+    "DebugOptions(save_onnx=True, onnx_prefix=...) to see the operator involved, try "
+    "Options(enable_compute_optimizer=False) or the other exporter, or let ortfx fall back "
+    "to PyTorch."
+)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _build_gradient(
+    model: bytes, config: Any, compute_optimizer: bool, pre_grad: str | None
+) -> Any:
+    transforms = C.TrainingGraphTransformerConfiguration()
+    transforms.enable_compute_optimizer = compute_optimizer
+    if pre_grad:
+        transforms.optimized_pre_grad_filepath = pre_grad
+    builder = C.OrtModuleGraphBuilder()
+    builder.initialize(model, config)
+    builder.build(transforms)
+    return builder
 
 
 class TrainingRunner:
@@ -190,23 +216,25 @@ class TrainingRunner:
         config.enable_caching = False
         config.use_memory_efficient_gradient = False
         config.loglevel = C.Severity.ERROR
-        transforms = C.TrainingGraphTransformerConfiguration()
-        transforms.enable_compute_optimizer = options.enable_compute_optimizer
-        if save_prefix:
-            transforms.optimized_pre_grad_filepath = (
-                f"{save_prefix}_optimized_pre_grad_training.onnx"
-            )
-        builder = C.OrtModuleGraphBuilder()
+        pre_grad = f"{save_prefix}_optimized_pre_grad_training.onnx" if save_prefix else None
+        # Set when ORT's compute optimizer failed on this graph and the build went without it.
+        self.compute_optimizer_failure: str | None = None
         try:
-            builder.initialize(info.model, config)
-            builder.build(transforms)
+            builder = _build_gradient(
+                info.model, config, options.enable_compute_optimizer, pre_grad
+            )
         except Exception as e:
-            raise OrtfxInitError(
-                f"ONNX Runtime could not build the gradient graph: {e}. The exported graph has an "
-                "operator without a gradient in ORT 1.19; save the graphs with "
-                "DebugOptions(save_onnx=True, onnx_prefix=...) to see which, or let ortfx fall "
-                "back to PyTorch."
-            ) from e
+            if not options.enable_compute_optimizer:
+                raise OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(e))) from e
+            # ORT 1.19's compute optimizer crashes on some graphs (e.g. logits sliced before
+            # the loss) that build fine without it.
+            self.compute_optimizer_failure = _first_line(e)
+            try:
+                builder = _build_gradient(info.model, config, False, pre_grad)
+            except Exception as again:
+                raise OrtfxInitError(
+                    GRADIENT_BUILD_FAILED.format(error=_first_line(again))
+                ) from again
         self.graph_info = builder.get_graph_info()
         self.gradient_model: bytes = builder.get_gradient_model()
         self.gradient_build_seconds = time.perf_counter() - start
