@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import ortfx
 from tests import models
@@ -107,11 +108,18 @@ def test_dynamic_batch_and_sequence_one_export_parity_every_step() -> None:
     assert ortfx.stats(wrapped).exports == 1
 
 
-class SlicedLogits(models.TinyGPT):
+class SlicedLogits(nn.Module):
     """Slices the logits before the loss: ORT 1.19's compute optimizer crashes on this graph."""
 
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(64, d)
+        self.blocks = nn.Sequential(models.GPTBlock(d), models.GPTBlock(d))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.blocks(self.emb(ids)))[:, :-1]
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        logits = self.head(self.ln_f(self.blocks(x)))[:, :-1]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
 
