@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io as _io
+import os
 import random
 import re
 import time
@@ -28,6 +29,7 @@ import attrs
 import numpy as np
 import onnx
 import torch
+from torch.jit._trace import TracerWarning  # the public alias is untyped
 
 from ortfx import io
 from ortfx.errors import OrtfxExportError
@@ -92,6 +94,7 @@ class Exported:
     info: PostExportProcessedModelInfo
     seconds: float
     checkpoint_calls: int  # torch.utils.checkpoint calls traced directly
+    tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
 
 
 @contextlib.contextmanager
@@ -150,6 +153,7 @@ class _FlatCall(torch.nn.Module):
         self._tensor_positions = schema.tensor_indices()
         self.output_schema: ModelSchema | None = None
         self.output_leaves: list[Any] = []
+        self.tracer_warnings: tuple[str, ...] = ()
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self._leaves)
@@ -188,10 +192,11 @@ def _export_torchscript(
         name: {d: f"{name}_dim{d}" for d in range(t.dim())}
         for name, t in zip(input_names, tensors, strict=True)
     }
-    with warnings.catch_warnings():
-        # The exporter is deprecated and warns on every trace; TracerWarnings are reported by
-        # ortfx's own checks (a shape that the graph cannot run leads to a re-export).
+    with warnings.catch_warnings(record=True) as caught:
+        # The exporter is deprecated and warns on every trace: silence that. TracerWarnings
+        # (a tensor turned into a Python value, baked into the graph) are kept for the log.
         warnings.simplefilter("ignore")
+        warnings.simplefilter("always", TracerWarning)
         torch.onnx.export(
             flat,
             tensors,
@@ -206,6 +211,13 @@ def _export_torchscript(
             input_names=input_names,
             dynamic_axes=dynamic_axes,
         )
+    flat.tracer_warnings = tuple(
+        dict.fromkeys(
+            f"{str(w.message).splitlines()[0]} ({os.path.basename(w.filename)}:{w.lineno})"
+            for w in caught
+            if issubclass(w.category, TracerWarning)
+        )
+    )
     return onnx.load_model_from_string(buffer.getvalue())
 
 
@@ -325,4 +337,4 @@ def export(
             f"the module returned {len(tensor_outputs)} tensors but the exported graph has "
             f"{len(output_names)} outputs; this is an ortfx bug, please report it."
         )
-    return Exported(info, time.perf_counter() - start, calls[0])
+    return Exported(info, time.perf_counter() - start, calls[0], flat.tracer_warnings)

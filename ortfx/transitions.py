@@ -387,13 +387,16 @@ def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> 
     return attrs.evolve(
         state,
         entries=entries,
-        stats=attrs.evolve(
-            stats, calls=stats.calls + 1, sessions=stats.sessions + 1, fallback=None
-        ),
+        stats=attrs.evolve(stats, calls=stats.calls + 1, fallback=None),
         history=(*state.history, transition)[-HISTORY_LIMIT:],
         streaks=streaks,
         warned=warned,
     )
+
+
+def note_session(state: ExportState[P]) -> ExportState[P]:
+    """The shell created an ORT session (a training or an inference runner)."""
+    return attrs.evolve(state, stats=attrs.evolve(state.stats, sessions=state.stats.sessions + 1))
 
 
 def start_fallback(

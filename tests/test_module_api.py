@@ -138,3 +138,10 @@ def test_parameters_on_several_devices_are_rejected() -> None:
     wrapped = ortfx.ORTModule(model, options=STRICT)
     with pytest.raises(ortfx.OrtfxDeviceError, match=r"on several devices \(cpu, meta\)"):
         wrapped(torch.randn(2, 8))
+
+
+def test_transformers_model_train_and_eval_through_the_wrapper() -> None:
+    model = models.tiny_gpt2()
+    wrapped = ortfx.ORTModule(model)
+    assert wrapped.eval() is wrapped and not model.training
+    assert wrapped.train() is wrapped and model.training

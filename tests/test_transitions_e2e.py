@@ -317,3 +317,102 @@ def test_graph_that_cannot_run_a_new_shape_switches_to_dynamo_with_an_explanatio
     assert message.endswith(
         "switching this module to the dynamo exporter, which keeps sizes symbolic"
     )
+
+
+def test_eval_on_the_inner_module_takes_effect() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5))
+    wrapped = ortfx.ORTModule(model)
+    x = torch.ones(4, 16)
+    with torch.no_grad():
+        wrapped(x)
+        model.eval()  # directly on the user's module, not through the wrapper
+        assert max_diff(wrapped(x), model(x)) <= 1e-6
+    assert "mode was train, now eval" in str(ortfx.explain(wrapped)[-1])
+
+
+class CastsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def test_dtype_change_on_an_inner_module_is_named_not_taken_for_a_shape_problem() -> None:
+    model = CastsInput()
+    wrapped = ortfx.ORTModule(model)
+    with torch.no_grad():
+        wrapped(X)
+        model.lin.double()  # bypasses the wrapper: no hook fires for an in-place dtype change
+        out = wrapped(X)
+    assert out.dtype == torch.float64 and max_diff(out, model(X)) <= 1e-12
+    reasons = [str(t) for t in ortfx.explain(wrapped)]
+    assert reasons[-1] == (
+        "re-export: module was version 0, now version 1 ('lin.weight' changed from "
+        "float32[4, 4] to float64[4, 4] outside the wrapper)"
+    )
+    assert all("dynamo" not in r for r in reasons)
+
+
+def test_parameters_replaced_outside_the_wrapper_are_tracked_again() -> None:
+    model = Switchy()
+    wrapped = ortfx.ORTModule(model)
+    wrapped(X).sum().backward()
+    model.lin._parameters["weight"] = nn.Parameter(torch.ones(4, 4))  # no hook fires
+    model.zero_grad()
+    out = wrapped(X)
+    out.sum().backward()
+    assert max_diff(out, model(X)) <= 1e-6
+    assert model.lin.weight.grad is not None
+    assert "the parameters were replaced outside the wrapper" in str(ortfx.explain(wrapped)[-1])
+
+
+def test_sessions_count_real_sessions() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    wrapped(X).sum().backward()
+    with torch.no_grad():  # same graph, run without gradients: an inference session
+        wrapped(X)
+    wrapped(X).sum().backward()
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.sessions, s.calls) == (1, 2, 3)
+
+
+def test_configure_cache_size_shrinks_the_cache() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    for flag in (True, False):
+        wrapped(X, flag=flag)
+    ortfx.configure(wrapped, cache_size=1)
+    wrapped(X, flag=True)
+    assert ortfx.stats(wrapped).exports == 3
+
+
+def test_register_buffer_through_the_wrapper_bumps_the_version_once() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    wrapped.register_buffer("extra", torch.ones(1))
+    assert wrapped._ortfx_state.module_version.number == 1
+
+
+def test_repeated_reexport_warning_points_at_the_callers_line() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    with pytest.warns(ortfx.OrtfxWarning) as record:
+        for n in range(1, 5):
+            wrapped(X, n=n)
+    assert record[0].filename == __file__
+
+
+def test_dynamic_scalar_used_in_python_control_flow_becomes_static(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = Switchy()
+    wrapped = ortfx.ORTModule(model, options=ortfx.Options(dynamic_scalars=("kwargs['n']",)))
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for n in (2, 3):  # range(n) bakes n in: a graph fed n as a tensor would be wrong
+            assert max_diff(wrapped(X, n=n), model(X, n=n)) <= 1e-6
+    said = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
+    assert said == [
+        "kwargs['n'] is in dynamic_scalars, but the exported graph does not read it as a tensor: "
+        "the module turns the value into a Python value (e.g. range(n), if n > 0), which the "
+        "tracer bakes in. ortfx treats it as static from now on; remove it from "
+        "Options.dynamic_scalars"
+    ]

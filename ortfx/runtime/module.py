@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import logging
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -66,6 +68,7 @@ from ortfx.transitions import (
     decide,
     decision_name,
     note_fallback_call,
+    note_session,
     start_fallback,
 )
 
@@ -83,6 +86,7 @@ class Compiled:
         self.ran = False  # whether ORT has run this graph once (shape failures after that)
         self.memory: tuple[MemoryPlan, ...] | None = None  # the recompute report, once known
         self.dims: dict[str, int] = {}  # input dim name -> size when the runner was built
+        self.fingerprint: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] = ()
 
 
 # The fallback key of failures that no later call can fix (unsupported module, no ORT).
@@ -116,6 +120,19 @@ class Tracked:
     params: tuple[torch.nn.Parameter, ...]
     named_tensors: Mapping[str, torch.Tensor]
     device: torch.device
+    # Where the first parameter lives: .to('meta') and friends replace every Parameter object
+    # without a registration hook; checking this one slot per call catches that cheaply.
+    first_slot: tuple[torch.nn.Module, str] | None = None
+
+    def replaced(self) -> bool:
+        if self.first_slot is None:
+            return False
+        owner, name = self.first_slot
+        return owner._parameters.get(name) is not self.params[0]
+
+    def fingerprint(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        """Name, dtype and shape of every parameter and buffer, as the graph was built for."""
+        return tuple((n, t.dtype, tuple(t.shape)) for n, t in self.named_tensors.items())
 
 
 def _track(module: torch.nn.Module) -> Tracked:
@@ -127,7 +144,11 @@ def _track(module: torch.nn.Module) -> Tracked:
             PARAMS_ON_SEVERAL_DEVICES.format(devices=", ".join(sorted(map(str, devices))))
         )
     device = devices.pop() if devices else torch.device("cpu")
-    return Tracked(tuple(params), tuple(params.values()), named, device)
+    first_slot = None
+    if params:
+        path, _, name = next(iter(params)).rpartition(".")
+        first_slot = (module.get_submodule(path), name)
+    return Tracked(tuple(params), tuple(params.values()), named, device, first_slot)
 
 
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
@@ -148,6 +169,7 @@ class ORTModule(torch.nn.Module):
     _ortfx_state: ExportState[Compiled]
     _ortfx_tracked: Tracked | None
     _ortfx_dynamic: frozenset[str]
+    _ortfx_static: set[str]
     _ortfx_bound: tuple[str, ...]
 
     @property
@@ -207,8 +229,9 @@ class ORTModule(torch.nn.Module):
         own["_ortfx_exporter"] = resolve_exporter(options.exporter)
         own["_ortfx_state"] = ExportState[Compiled](maxsize=options.cache_size)
         own["_ortfx_tracked"] = None
-        own["_ortfx_exporting"] = False
+        own["_ortfx_muted_hooks"] = False
         own["_ortfx_dynamic"] = frozenset(options.dynamic_scalars)
+        own["_ortfx_static"] = set()  # dynamic scalar paths found baked into a graph
         # The wrapper's forward shows the user's signature (inspect, IDEs, HF's argument checks).
         call = functools.partial(ORTModule._ortfx_forward, self)
         forward = functools.update_wrapper(lambda *a, **k: call(*a, **k), module.forward)
@@ -245,14 +268,16 @@ class ORTModule(torch.nn.Module):
         if name in _OWN or name.startswith("_ortfx"):
             object.__setattr__(self, name, value)
             return
-        setattr(self.module, name, value)
+        with self._ortfx_muted():
+            setattr(self.module, name, value)
         self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
 
     def __delattr__(self, name: str) -> None:
         if name in _OWN or name.startswith("_ortfx"):
             object.__delattr__(self, name)
             return
-        delattr(self.module, name)
+        with self._ortfx_muted():
+            delattr(self.module, name)
         self._ortfx_invalidate(f"attribute {name!r} deleted through the wrapper")
 
     def named_parameters(
@@ -293,7 +318,8 @@ class ORTModule(torch.nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        result = self.module.load_state_dict(state_dict, strict, assign)
+        with self._ortfx_muted():
+            result = self.module.load_state_dict(state_dict, strict, assign)
         if assign:  # new tensor objects replace the parameters
             self._ortfx_invalidate("load_state_dict(assign=True) replaced the parameters")
         return result
@@ -301,15 +327,18 @@ class ORTModule(torch.nn.Module):
     def register_buffer(
         self, name: str, tensor: torch.Tensor | None, persistent: bool = True
     ) -> None:
-        self.module.register_buffer(name, tensor, persistent)
+        with self._ortfx_muted():
+            self.module.register_buffer(name, tensor, persistent)
         self._ortfx_invalidate(f"buffer {name!r} registered through the wrapper")
 
     def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
-        self.module.register_parameter(name, param)
+        with self._ortfx_muted():
+            self.module.register_parameter(name, param)
         self._ortfx_invalidate(f"parameter {name!r} registered through the wrapper")
 
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
-        self.module.add_module(name, module)
+        with self._ortfx_muted():
+            self.module.add_module(name, module)
         self._ortfx_invalidate(f"submodule {name!r} added through the wrapper")
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ORTModule:
@@ -326,12 +355,26 @@ class ORTModule(torch.nn.Module):
 
     # ---- state ----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _ortfx_muted(self) -> Iterator[None]:
+        """The registration hooks stay quiet: the caller bumps the version once itself."""
+        own = self.__dict__
+        before = own["_ortfx_muted_hooks"]
+        own["_ortfx_muted_hooks"] = True
+        try:
+            yield
+        finally:
+            own["_ortfx_muted_hooks"] = before
+
     def _ortfx_invalidate(self, cause: str) -> None:
         self.__dict__["_ortfx_tracked"] = None
         self.__dict__["_ortfx_state"] = bump_module_version(self._ortfx_state, cause)
 
     def _ortfx_tracked_now(self) -> Tracked:
         tracked: Tracked | None = self._ortfx_tracked
+        if tracked is not None and tracked.replaced():
+            self._ortfx_invalidate("the parameters were replaced outside the wrapper")
+            tracked = None
         if tracked is None or (tracked.params and tracked.params[0].device != tracked.device):
             tracked = _track(self.module)
             self.__dict__["_ortfx_tracked"] = tracked
@@ -386,8 +429,20 @@ class ORTModule(torch.nn.Module):
     def _ortfx_run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, spec = io.flatten(io.call_tree(args, kwargs))
         io.check_leaves(leaves, spec, root="call", where="input")
+        tensorized: tuple[int, ...] = ()
         if self._ortfx_dynamic:
+            raw = leaves
             leaves = tensorize_scalars(leaves, spec, paths=self._ortfx_dynamic)
+            if self._ortfx_static:
+                # Leaves found baked in stay Python values (see _baked_dynamic_scalars).
+                paths = io.leaf_paths(spec, root="call")
+                leaves = [
+                    raw[i] if paths[i] in self._ortfx_static else leaf
+                    for i, leaf in enumerate(leaves)
+                ]
+            tensorized = tuple(
+                i for i, (a, b) in enumerate(zip(raw, leaves, strict=True)) if a is not b
+            )
         schema = ModelSchema.from_flat(leaves, spec)
         tracked = self._ortfx_tracked_now()
         _check_input_devices(leaves, schema, tracked.device)
@@ -395,7 +450,8 @@ class ORTModule(torch.nn.Module):
         call = Call(
             ExportKey(
                 schema,
-                self.training,
+                # The user module's own flag: model.module.eval() must take effect too.
+                self.module.training,
                 state.module_version,
                 self._ortfx_options.export_options(self._ortfx_exporter),
                 VERSIONS,
@@ -415,9 +471,30 @@ class ORTModule(torch.nn.Module):
             compiled = entry.payload
         else:
             compiled = self._ortfx_realize(decision, state, call, leaves, args, kwargs)
+            baked = _baked_dynamic_scalars(compiled.info, schema, tensorized)
+            if baked:
+                # The module turned these tensors back into Python values (range(n), if n):
+                # the graph holds the export-time value. Correctness first: make them static.
+                self._ortfx_log.log(
+                    logging.WARNING,
+                    "%s %s in dynamic_scalars, but the exported graph does not read %s as a "
+                    "tensor: the module turns the value into a Python value (e.g. range(n), "
+                    "if n > 0), which the tracer bakes in. ortfx treats %s as static from now "
+                    "on; remove %s from Options.dynamic_scalars",
+                    ", ".join(baked),
+                    "is" if len(baked) == 1 else "are",
+                    "it" if len(baked) == 1 else "them",
+                    "it" if len(baked) == 1 else "them",
+                    "it" if len(baked) == 1 else "them",
+                )
+                self.__dict__["_ortfx_static"] = self._ortfx_static | set(baked)
+                return self._ortfx_run(args, kwargs)
         new_state = apply(state, call, decision, compiled)
+        if not compiled.fingerprint:
+            compiled.fingerprint = tracked.fingerprint()
         inputs = compiled.info.construct_inputs_flat(leaves, tracked.named_tensors)
         needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
+        new_session = (compiled.training if needs_grad else compiled.inference) is None
         try:
             if needs_grad:
                 if compiled.training is None:
@@ -427,6 +504,11 @@ class ORTModule(torch.nn.Module):
             else:
                 outputs = self._ortfx_inference_runner(compiled, tracked.device, call).run(inputs)
         except OrtfxRuntimeError as error:
+            changed = _changed_tensor(compiled.fingerprint, _track(self.module).fingerprint())
+            if changed is not None:
+                # e.g. model.block.double() done on an inner module: ORT rejects the new dtype.
+                self._ortfx_invalidate(changed)
+                return self._ortfx_run(args, kwargs)
             if not (compiled.ran and call.key.options.exporter == "torchscript"):
                 raise
             # The graph ran before on other sizes: the tracer baked a size in. The dynamo
@@ -440,12 +522,12 @@ class ORTModule(torch.nn.Module):
             self.__dict__["_ortfx_exporter"] = "dynamo"
             return self._ortfx_run(args, kwargs)
         compiled.ran = True
-        self.__dict__["_ortfx_state"] = new_state
+        self.__dict__["_ortfx_state"] = note_session(new_state) if new_session else new_state
         for path in sorted(new_state.warned - state.warned):
             warnings.warn(
                 REPEATED_REEXPORT.format(path=path, count=dict(new_state.streaks)[path]),
                 OrtfxWarning,
-                stacklevel=4,
+                stacklevel=_user_stacklevel(),
             )
         return compiled.info.restore_outputs(outputs)
 
@@ -610,15 +692,24 @@ class ORTModule(torch.nn.Module):
             source = self.module
             if self._ortfx_options.deepcopy_before_export:
                 source = copy.deepcopy(source)
-            self.__dict__["_ortfx_exporting"] = True
-            try:
-                with captured(self._ortfx_log, "the ONNX export"):
-                    exported = export(source, leaves, call.key.schema, call.key.options)
-            finally:
-                self.__dict__["_ortfx_exporting"] = False
+            # Muted: a forward that reassigns a buffer while traced is not a module change.
+            with self._ortfx_muted(), captured(self._ortfx_log, "the ONNX export"):
+                exported = export(source, leaves, call.key.schema, call.key.options)
             raw, seconds = exported.info, exported.seconds
             if exported.checkpoint_calls:
                 self._ortfx_log_checkpoint(exported.checkpoint_calls)
+            if exported.tracer_warnings:
+                # Python values computed from tensors are constants of the graph. That is fine
+                # for sizes the graph never sees change, wrong for values fed as dynamic scalars.
+                self._ortfx_log.log(
+                    logging.WARNING if self._ortfx_dynamic else logging.INFO,
+                    "the tracer baked %d Python value(s) computed from tensors into the graph, "
+                    "first: %s. If such a value changes from call to call (a dynamic scalar "
+                    "used in Python control flow, an int taken from a size), the graph is wrong "
+                    "for other values: keep it a static argument instead",
+                    len(exported.tracer_warnings),
+                    exported.tracer_warnings[0],
+                )
             process = passes.after_export(_embedding_padding(self.module))
             info = marks(process(attrs.evolve(raw, dynamic_scalars=self._ortfx_dynamic)))
             prefix = self._ortfx_save_prefix()
@@ -670,6 +761,52 @@ class ORTModule(torch.nn.Module):
         )
 
 
+def _baked_dynamic_scalars(
+    info: PostExportProcessedModelInfo, schema: ModelSchema, tensorized: tuple[int, ...]
+) -> list[str]:
+    """Paths of scalars fed as tensors that the graph does not consume: their value was
+    turned back into a Python value while traced, and so baked in."""
+    if not tensorized:
+        return []
+    model = onnx.load_model_from_string(info.model)
+    consumed = {name for node in model.graph.node for name in node.input}
+    fed = {spec.source: spec.name for spec in info.inputs if spec.kind is InputKind.USER}
+    return [schema.paths[i] for i in tensorized if fed.get(i) not in consumed]
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside ortfx and torch."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def _changed_tensor(
+    built: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+    now: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+) -> str | None:
+    """A cause for the log if a parameter or buffer changed dtype or shape since the build."""
+    before = {name: (dtype, shape) for name, dtype, shape in built}
+    for name, dtype, shape in now:
+        if name in before and before[name] != (dtype, shape):
+            was_dtype, was_shape = before[name]
+            return (
+                f"{name!r} changed from {str(was_dtype).removeprefix('torch.')}{list(was_shape)} "
+                f"to {str(dtype).removeprefix('torch.')}{list(shape)} outside the wrapper"
+            )
+    if {n for n, _, _ in now} != set(before):
+        return "the parameters or buffers changed outside the wrapper"
+    return None
+
+
 def _input_dims(info: PostExportProcessedModelInfo, leaves: list[Any]) -> dict[str, int]:
     """Each user input's dim names (as exported: ``{name}_dim{d}``) with their current sizes."""
     return {
@@ -701,13 +838,15 @@ def _check_input_devices(leaves: list[Any], schema: ModelSchema, device: torch.d
 
 
 def _user_methods(cls: type) -> list[tuple[str, Callable[..., Any]]]:
-    """Plain functions the user's classes define (not torch.nn.Module's, not forward)."""
+    """Plain functions the user's classes define, except forward and anything that overrides
+    the nn.Module API (e.g. transformers' ``train``/``eval``): those stay the wrapper's."""
+    reserved = set(dir(torch.nn.Module)) | set(vars(ORTModule))
     found: dict[str, Callable[..., Any]] = {}
     for klass in reversed(cls.__mro__):
         if klass in torch.nn.Module.__mro__ or klass.__module__.startswith("torch."):
             continue
         for name, value in vars(klass).items():
-            if inspect.isfunction(value) and name != "forward" and not name.startswith("__"):
+            if inspect.isfunction(value) and name not in reserved and not name.startswith("__"):
                 found[name] = value
     return sorted(found.items())
 
@@ -721,7 +860,7 @@ def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
     parameter, buffer or submodule was added or replaced, even directly on an inner module."""
     for wrapper in list(_LIVE):
         own = wrapper.__dict__
-        if own.get("_ortfx_exporting") or id(module) not in own.get("_ortfx_watched", ()):
+        if own.get("_ortfx_muted_hooks") or id(module) not in own.get("_ortfx_watched", ()):
             continue
         kind = type(value).__name__ if value is not None else "None"
         wrapper._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
@@ -773,6 +912,10 @@ def configure(model: torch.nn.Module, **changes: Any) -> None:
     own["_ortfx_exporter"] = resolve_exporter(options.exporter)
     own["_ortfx_dynamic"] = frozenset(options.dynamic_scalars)
     own["_ortfx_log"] = WrapperLog(options.log_level)
+    state = wrapper._ortfx_state
+    if state.maxsize != options.cache_size:
+        entries = state.entries[-options.cache_size :]
+        own["_ortfx_state"] = attrs.evolve(state, maxsize=options.cache_size, entries=entries)
 
 
 def invalidate(model: torch.nn.Module, reason: str = "ortfx.invalidate() was called") -> None:
