@@ -394,6 +394,17 @@ def apply(state: ExportState[P], call: Call, decision: Decision, payload: P) -> 
     )
 
 
+def count_reuse(state: ExportState[P]) -> ExportState[P]:
+    """A call that reused the most recent entry (the shell's fast path): counters only."""
+    stats = state.stats
+    return attrs.evolve(
+        state,
+        stats=attrs.evolve(
+            stats, calls=stats.calls + 1, cache_hits=stats.cache_hits + 1, fallback=None
+        ),
+    )
+
+
 def note_session(state: ExportState[P]) -> ExportState[P]:
     """The shell created an ORT session (a training or an inference runner)."""
     return attrs.evolve(state, stats=attrs.evolve(state.stats, sessions=state.stats.sessions + 1))

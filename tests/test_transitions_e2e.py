@@ -416,3 +416,17 @@ def test_dynamic_scalar_used_in_python_control_flow_becomes_static(
         "tracer bakes in. ortfx treats it as static from now on; remove it from "
         "Options.dynamic_scalars"
     ]
+
+
+def test_fast_path_keeps_values_python_calls_equal_apart() -> None:
+    """The steady-state fast path must split what the schema splits: True vs 1, 0.0 vs -0.0."""
+    wrapped = ortfx.ORTModule(Switchy())
+    for n in (1, True, 1, True):
+        wrapped(X, n=n)
+    for scale in (0.0, -0.0, 0.0):
+        wrapped(X, scale=scale)
+    s = ortfx.stats(wrapped)
+    assert (s.exports, s.calls) == (4, 7)
+    assert str(ortfx.explain(wrapped)[1]) == (
+        "re-export: kwargs['n'] was 1, now True (a static value changed type)"
+    )
