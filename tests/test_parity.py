@@ -132,3 +132,44 @@ def test_compute_optimizer_failure_rebuilds_without_it(caplog: pytest.LogCapture
     assert len(said) == 1
     assert said[0].startswith("ONNX Runtime's compute optimizer failed on this graph (")
     assert "the gradient graph was built without it" in said[0]
+
+
+class Classifier(nn.Module):
+    """A Linear head straight into cross-entropy: ORT's gradient needs the log_prob output."""
+
+    def __init__(self, reduction: str, ignore_index: int, transpose: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+        self.reduction, self.ignore_index, self.transpose = reduction, ignore_index, transpose
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(x)
+        if self.transpose:  # (batch, classes, positions)
+            out = F.cross_entropy(
+                logits.transpose(1, 2), y, reduction=self.reduction, ignore_index=self.ignore_index
+            )
+        else:
+            out = F.cross_entropy(
+                logits.reshape(-1, 5),
+                y.reshape(-1),
+                reduction=self.reduction,
+                ignore_index=self.ignore_index,
+            )
+        return out.sum() if self.reduction == "none" else out
+
+
+@pytest.mark.parametrize(
+    ("reduction", "ignore_index", "transpose"),
+    [
+        ("mean", -100, False),
+        ("mean", -100, True),
+        ("mean", 0, False),
+        ("sum", -100, False),
+        ("none", -100, False),
+    ],
+)
+def test_cross_entropy_variants(reduction: str, ignore_index: int, transpose: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    y = torch.randint(0, 5, (3, 4))
+    check_parity(Classifier(reduction, ignore_index, transpose), (x, y), loss=lambda loss: loss)

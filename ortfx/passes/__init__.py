@@ -63,6 +63,23 @@ def add_layernorm_stats(model: onnx.ModelProto) -> bool:
 
 
 @graph_pass
+def add_cross_entropy_log_prob(model: onnx.ModelProto) -> bool:
+    """Name SoftmaxCrossEntropyLoss's log_prob output: its gradient reads it, and the
+    TorchScript exporter emits only the loss (the build then fails on many graphs)."""
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if _standard(node, "SoftmaxCrossEntropyLoss") and (
+            len(node.output) < 2 or not node.output[1]
+        ):
+            outputs = [*node.output, ""][:2]
+            outputs[1] = f"{node.name or f'SoftmaxCrossEntropyLoss_{i}'}_log_prob"
+            del node.output[:]
+            node.output.extend(outputs)
+            changed = True
+    return changed
+
+
+@graph_pass
 def add_dropout_masks(model: onnx.ModelProto) -> bool:
     """Give every Dropout its mask output: DropoutGrad reads it (dynamo exports omit it)."""
     changed = False
@@ -223,6 +240,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
     """The passes applied once per export; grad requirements and seeds come per session."""
     return chain(
         add_layernorm_stats,
+        add_cross_entropy_log_prob,
         add_dropout_masks,
         separate_outputs,
         embedding_padding(padding),
