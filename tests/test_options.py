@@ -49,6 +49,7 @@ def _fresh_env_warnings() -> None:
         ("ORTFX_EXPORTER", "dynamo", "exporter", "dynamo"),
         ("ORTFX_INTRA_OP_THREADS", "3", "intra_op_threads", 3),
         ("ORTFX_ALLOW_SPINNING", "1", "allow_spinning", True),
+        ("ORTFX_CPU_MEM_ARENA", "0", "cpu_mem_arena", False),
     ],
 )
 def test_environment_variables_set_options(
@@ -82,6 +83,7 @@ def test_save_path_from_environment(tmp_path: Any) -> None:
         ("ORTFX_EXPORTER", "onnxscript", "auto, torchscript, dynamo"),
         ("ORTFX_INTRA_OP_THREADS", "0", "a positive int"),
         ("ORTFX_ALLOW_SPINNING", "fast", "1 or 0"),
+        ("ORTFX_CPU_MEM_ARENA", "maybe", "1 or 0"),
     ],
 )
 def test_invalid_environment_values_warn_once_and_keep_the_default(
@@ -283,3 +285,14 @@ def test_without_retry_every_later_call_runs_in_pytorch() -> None:
     assert torch.equal(wrapped(X), model(X))
     s = ortfx.stats(wrapped)
     assert (s.exports, s.fallback_calls) == (0, 2)
+
+
+def test_without_the_cpu_memory_arena_training_matches() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    wrapped = ortfx.ORTModule(models.MLP(), options=Options(cpu_mem_arena=False))
+    from tests.models import check_parity
+
+    check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
+    runner = wrapped._ortfx_state.entries[-1].payload.training
+    assert runner.session.get_session_options().enable_cpu_mem_arena is False

@@ -117,6 +117,11 @@ def feature_table(options: Options, exporter: str, *, deterministic: bool) -> st
         ),
         ("Deterministic compute", _on(deterministic), "torch.use_deterministic_algorithms(True)"),
         (
+            "CPU memory arena",
+            _on(options.cpu_mem_arena),
+            "ORTFX_CPU_MEM_ARENA=0/1",
+        ),
+        (
             "Threads",
             f"{threads} intra-op, spinning {_on(options.allow_spinning)}",
             "ORTFX_INTRA_OP_THREADS, ORTFX_ALLOW_SPINNING=1",

@@ -107,6 +107,7 @@ def session_options(options: Options, *, training: bool, deterministic: bool) ->
     so.enable_mem_pattern = False  # shapes change from call to call
     so.intra_op_num_threads = options.intra_op_threads or torch.get_num_threads()
     so.inter_op_num_threads = 1
+    so.enable_cpu_mem_arena = options.cpu_mem_arena
     so.add_session_config_entry(
         "session.intra_op.allow_spinning", "1" if options.allow_spinning else "0"
     )
