@@ -100,7 +100,8 @@ def machine() -> dict[str, Any]:
     except Exception:  # pragma: no cover
         hf = "absent"
     try:
-        mem_kb = int(open("/proc/meminfo").readline().split()[1])
+        with open("/proc/meminfo") as f:
+            mem_kb = int(f.readline().split()[1])
     except (OSError, ValueError, IndexError):
         mem_kb = 0
     return {

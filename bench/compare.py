@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +38,9 @@ N_LOSSES = 5
 # ---- worker ---------------------------------------------------------------------------------
 
 
-def wrap(model: Any, backend: str, threads: int, ortfx_options: dict[str, Any] | None = None) -> Any:
+def wrap(
+    model: Any, backend: str, threads: int, ortfx_options: dict[str, Any] | None = None
+) -> Any:
     import torch
 
     if backend == "eager":
@@ -58,7 +59,12 @@ def wrap(model: Any, backend: str, threads: int, ortfx_options: dict[str, Any] |
 
 
 def train_steps(
-    model_name: str, backend: str, steps: int, threads: int, seed: int = 0
+    model_name: str,
+    backend: str,
+    steps: int,
+    threads: int,
+    seed: int = 0,
+    ortfx_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build, wrap and train in this process; return the measurements."""
     import torch
@@ -69,14 +75,16 @@ def train_steps(
     torch.manual_seed(seed)
     start = time.perf_counter()
     model, make_batch, loss_fn = build(model_name, seed)
-    wrapped = wrap(model, backend, threads)
+    wrapped = wrap(model, backend, threads, ortfx_options)
     build_s = time.perf_counter() - start
     rss_after_build = common.current_rss_mb()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times: list[float] = []
+    cpu: list[float] = []
     losses: list[float] = []
     for step in range(steps):
         args, kwargs = make_batch(step)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = loss_fn(wrapped(*args, **kwargs))
         loss.backward()
@@ -84,6 +92,7 @@ def train_steps(
         optimizer.zero_grad(set_to_none=True)
         value = float(loss.detach())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(value)
     extra: dict[str, Any] = {}
     if backend == "ortfx":
@@ -100,6 +109,8 @@ def train_steps(
         "build_s": build_s,
         "first_step_s": times[0],
         "step_times_s": times,
+        # CPU time of the process: on a shared machine, time spent descheduled is not counted
+        "step_cpu_s": cpu,
         "losses": losses,
         "rss_after_build_mb": rss_after_build,
         "peak_rss_mb": common.peak_rss_mb(),
@@ -112,7 +123,9 @@ def worker(ns: argparse.Namespace) -> None:
     common.pin(ns.pin)
     common.quiet()
     try:
-        result = train_steps(ns.model, ns.backend, ns.steps, ns.threads, ns.seed)
+        result = train_steps(
+            ns.model, ns.backend, ns.steps, ns.threads, ns.seed, parse_options(ns.ortfx_option)
+        )
         result["ok"] = True
     except BaseException as e:  # report failures as data: one backend failing is a result
         import traceback
@@ -127,12 +140,24 @@ def worker(ns: argparse.Namespace) -> None:
     Path(ns.out).write_text(json.dumps(result))
 
 
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``["enable_compute_optimizer=false", "allow_spinning=true"]`` -> ortfx.Options kwargs."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--ortfx-option takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw.lower() if raw.lower() in ("true", "false") else raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 # ---- parent ---------------------------------------------------------------------------------
 
 
-def run_one(
-    model: str, backend: str, ns: argparse.Namespace, log: Path
-) -> dict[str, Any]:
+def run_one(model: str, backend: str, ns: argparse.Namespace, log: Path) -> dict[str, Any]:
     env = common.thread_env(ns.threads)
     cache: str | None = None
     if backend == "compile" and ns.compile_cache == "fresh":
@@ -147,6 +172,8 @@ def run_one(
     ]  # fmt: skip
     if ns.pin is not None:
         cmd += ["--pin", str(ns.pin)]
+    for opt in ns.ortfx_option:
+        cmd += ["--ortfx-option", opt]
     start = time.perf_counter()
     try:
         with log.open("a") as logf:
@@ -170,8 +197,8 @@ def run_one(
     return result
 
 
-def steady(r: dict[str, Any], warmup: int) -> list[float]:
-    return list(r.get("step_times_s", [])[warmup:])
+def steady(r: dict[str, Any], warmup: int, key: str = "step_times_s") -> list[float]:
+    return list(r.get(key, [])[warmup:])
 
 
 def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
@@ -180,25 +207,39 @@ def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
     models = list(dict.fromkeys(r["model"] for r in records))
     backends = list(dict.fromkeys(r["backend"] for r in records))
     for model in models:
-        eager = {r["round"]: r for r in records if r["model"] == model and r["backend"] == "eager" and r["ok"]}
+        eager = {
+            r["round"]: r
+            for r in records
+            if r["model"] == model and r["backend"] == "eager" and r["ok"]
+        }
         for backend in backends:
             runs = [r for r in records if r["model"] == model and r["backend"] == backend]
             ok = [r for r in runs if r["ok"]]
-            row: dict[str, Any] = {"model": model, "backend": backend, "runs": len(runs), "ok": len(ok)}
+            row: dict[str, Any] = {
+                "model": model,
+                "backend": backend,
+                "runs": len(runs),
+                "ok": len(ok),
+            }
             if not ok:
                 row["error"] = runs[0].get("error", "?") if runs else "not run"
                 rows.append(row)
                 continue
             pooled = [t for r in ok for t in steady(r, warmup)]
             per_round = [common.median(steady(r, warmup)) for r in ok]
-            ratios, loss_diffs = [], []
+            ratios, cpu_ratios, loss_diffs = [], [], []
             for r in ok:
                 e = eager.get(r["round"])
                 if e is None:
                     continue
                 ratios.append(common.median(steady(r, warmup)) / common.median(steady(e, warmup)))
+                cpu_r = common.median(steady(r, warmup, "step_cpu_s"))
+                cpu_e = common.median(steady(e, warmup, "step_cpu_s"))
+                cpu_ratios.append(cpu_r / cpu_e)
                 n = min(N_LOSSES, len(r["losses"]), len(e["losses"]))
-                loss_diffs.append(max(abs(a - b) for a, b in zip(r["losses"][:n], e["losses"][:n])))
+                loss_diffs.append(
+                    max(abs(a - b) for a, b in zip(r["losses"][:n], e["losses"][:n], strict=False))
+                )
             row.update(
                 step_ms_median=1e3 * common.median(per_round),
                 step_ms_min=1e3 * min(pooled),
@@ -206,6 +247,9 @@ def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
                 ratio_median=common.median(ratios),
                 ratio_min=min(ratios) if ratios else float("nan"),
                 ratio_max=max(ratios) if ratios else float("nan"),
+                cpu_ratio_median=common.median(cpu_ratios),
+                cpu_ratio_min=min(cpu_ratios) if cpu_ratios else float("nan"),
+                cpu_ratio_max=max(cpu_ratios) if cpu_ratios else float("nan"),
                 first_step_s=common.median([r["first_step_s"] for r in ok]),
                 first_step_s_max=max(r["first_step_s"] for r in ok),
                 peak_rss_mb=common.median([r["peak_rss_mb"] for r in ok]),
@@ -226,27 +270,33 @@ def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str,
         f"Command: `python -m bench.compare {' '.join(ns.argv)}`",
         "",
         f"{ns.rounds} rounds x {ns.steps} steps, AdamW, {ns.threads} thread(s)"
+        f"{f', ortfx options {parse_options(ns.ortfx_option)}' if ns.ortfx_option else ''}"
         f"{f', pinned to cpu {ns.pin}' if ns.pin is not None else ''}; fresh process per "
         f"(round, backend), backend order rotated per round; step times exclude the first "
         f"{ns.warmup} steps; ratio = backend median / eager median of the same round, median "
         f"(min-max) over rounds; first step includes export/compile"
         f"{' (inductor cache fresh per process)' if ns.compile_cache == 'fresh' else ''}; "
+        "CPU ratio = the same with the process's CPU time per step (time spent descheduled by "
+        "other load on a shared machine is not counted); "
         "loss diff = max |loss - eager loss| over the first 5 steps.",
         "",
-        "| model | backend | step ms median | min | max | ratio to eager | first step s | "
-        "peak RSS MB (children) | loss diff |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+        "| model | backend | step ms median | min | max | ratio to eager | CPU ratio "
+        "| first step s | peak RSS MB (children) | loss diff |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for r in rows:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['backend']} | failed: {r.get('error', '?')[:120]} |||||||")
+            lines.append(
+                f"| {r['model']} | {r['backend']} | failed: {r.get('error', '?')[:120]} ||||||||"
+            )
             continue
         children = f" (+{r['peak_rss_children_mb']:.0f})" if r["peak_rss_children_mb"] > 1 else ""
         lines.append(
             f"| {r['model']} | {r['backend']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} "
             f"| {r['step_ms_max']:.1f} | {r['ratio_median']:.3f} ({r['ratio_min']:.2f}-"
-            f"{r['ratio_max']:.2f}) | {r['first_step_s']:.2f} | {r['peak_rss_mb']:.0f}{children} "
-            f"| {r['loss_diff']:.1e} |"
+            f"{r['ratio_max']:.2f}) | {r['cpu_ratio_median']:.3f} ({r['cpu_ratio_min']:.2f}-"
+            f"{r['cpu_ratio_max']:.2f}) | {r['first_step_s']:.2f} "
+            f"| {r['peak_rss_mb']:.0f}{children} | {r['loss_diff']:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -266,24 +316,26 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(backends))
     for j, backend in enumerate(backends):
-        xs, ratio, lo, hi, first = [], [], [], [], []
+        xs, ratio, lo, hi, first, cpu = [], [], [], [], [], []
         for i, model in enumerate(models):
             r = next((r for r in ok if r["model"] == model and r["backend"] == backend), None)
             if r is None:
                 continue
             xs.append(i + (j - (len(backends) - 1) / 2) * width)
             ratio.append(r["ratio_median"])
+            cpu.append(r["cpu_ratio_median"])
             lo.append(r["ratio_median"] - r["ratio_min"])
             hi.append(r["ratio_max"] - r["ratio_median"])
             first.append(r["first_step_s"])
         ax1.bar(xs, ratio, width, yerr=[lo, hi], capsize=3, label=backend)
+        ax1.plot(xs, cpu, "k_", markersize=12, label="CPU-time ratio" if j == 0 else None)
         ax2.bar(xs, first, width, label=backend)
-        for x, v in zip(xs, ratio):
+        for x, v in zip(xs, ratio, strict=False):
             ax1.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-        for x, v in zip(xs, first):
+        for x, v in zip(xs, first, strict=False):
             ax2.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
     ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax1.set_ylabel("step time / eager (same round; lower is better)")
+    ax1.set_ylabel("step time / eager, same round (bars: wall, -: CPU time)")
     ax2.set_ylabel("first-step latency, s (log)")
     ax2.set_yscale("log")
     for ax in (ax1, ax2):
@@ -301,7 +353,9 @@ def parent(ns: argparse.Namespace) -> None:
     models = list(MODELS) if ns.models == "all" else ns.models.split(",")
     for m in models:
         if m not in MODELS and m not in EXTRA:
-            raise SystemExit(f"unknown model {m!r}; choose from all, {', '.join([*MODELS, *EXTRA])}")
+            raise SystemExit(
+                f"unknown model {m!r}; choose from all, {', '.join([*MODELS, *EXTRA])}"
+            )
     backends = ns.backends.split(",")
     for b in backends:
         if b not in BACKENDS:
@@ -329,13 +383,17 @@ def parent(ns: argparse.Namespace) -> None:
                 if r["ok"]:
                     st = steady(r, ns.warmup)
                     print(
-                        f"{model:18s} round {rnd} {backend:8s} step {1e3 * common.median(st):8.1f} ms"
+                        f"{model:18s} round {rnd} {backend:8s} "
+                        f"step {1e3 * common.median(st):8.1f} ms"
                         f"  first {r['first_step_s']:6.2f} s  rss {r['peak_rss_mb']:6.0f} MB"
                         f"  wall {r['wall_s']:5.1f} s",
                         flush=True,
                     )
                 else:
-                    print(f"{model:18s} round {rnd} {backend:8s} FAILED: {r['error'][:300]}", flush=True)
+                    print(
+                        f"{model:18s} round {rnd} {backend:8s} FAILED: {r['error'][:300]}",
+                        flush=True,
+                    )
     rows = summarise(records, ns.warmup)
     table = markdown(rows, ns, mach)
     stem.with_suffix(".md").write_text(table)
@@ -348,19 +406,46 @@ def parent(ns: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", "--model", default="gpt2-4x256",
-                   help=f"comma-separated, or 'all' ({', '.join(MODELS)}; extra: {', '.join(EXTRA)})")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models",
+        "--model",
+        default="gpt2-4x256",
+        help=f"comma-separated, or 'all' ({', '.join(MODELS)}; extra: {', '.join(EXTRA)})",
+    )
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step times")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads, OMP/MKL threads and ortfx intra-op threads")
-    p.add_argument("--pin", type=int, nargs="?", const=0, default=None,
-                   help="pin each worker to this CPU (default 0 when given without a value)")
-    p.add_argument("--compile-cache", choices=("fresh", "shared"), default="fresh",
-                   help="fresh: a new inductor cache per process, so every first step is a cold compile")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads, OMP/MKL threads and ortfx intra-op threads",
+    )
+    p.add_argument(
+        "--pin",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        help="pin each worker to this CPU (default 0 when given without a value)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        choices=("fresh", "shared"),
+        default="fresh",
+        help="fresh: a new inductor cache per process, so every first step is a cold compile",
+    )
+    p.add_argument(
+        "--ortfx-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an ortfx.Options field for the ortfx backend, e.g. enable_compute_optimizer=false",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per worker, seconds")
     p.add_argument("--tag", default="", help="results file stem (default: date and time)")

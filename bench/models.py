@@ -13,6 +13,7 @@ whole training step graph, loss included, runs in the backend under test.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,7 @@ class MLP(nn.Module):
 
     def __init__(self, sizes: tuple[int, ...] = (784, 1024, 1024, 10)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -61,7 +62,10 @@ def mlp(seed: int = 0, batch: int = 256) -> Built:
 
     def make_batch(step: int) -> Batch:
         g = _gen(seed, step)
-        return (torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)), {}
+        return (
+            torch.randn(batch, 784, generator=g),
+            torch.randint(0, 10, (batch,), generator=g),
+        ), {}
 
     return model, make_batch, _identity
 
@@ -190,13 +194,13 @@ class GPTStack(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.blocks(self.tok(ids) + self.pos(pos))
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-        )
+        # nanoGPT style: the targets arrive shifted. (Slicing ``logits[:, :-1]`` here instead
+        # crashes ORT 1.19.2's compute optimizer, see bench/README.md.)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def gpt_blocks(
@@ -213,8 +217,8 @@ def gpt_blocks(
     model = GPTStack(vocab, d, n_head, n_layer, max_len=256)
 
     def make_batch(step: int) -> Batch:
-        ids = torch.randint(0, vocab, (batch, seq), generator=_gen(seed, step))
-        return (ids, ids), {}
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=_gen(seed, step))
+        return (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), {}
 
     return model, make_batch, _identity
 
@@ -256,5 +260,6 @@ def build(name: str, seed: int = 0) -> Built:
     try:
         builder = {**MODELS, **EXTRA}[name]
     except KeyError:
-        raise SystemExit(f"unknown model {name!r}; choose from {', '.join([*MODELS, *EXTRA])}")
+        known = ", ".join([*MODELS, *EXTRA])
+        raise SystemExit(f"unknown model {name!r}; choose from {known}") from None
     return builder(seed)

@@ -120,7 +120,6 @@ def patch_stages() -> list[str]:
 
 
 def make(backend: str, threads: int) -> tuple[Any, Any]:
-    import torch
 
     from bench.models import tiny_linear
 
@@ -132,7 +131,9 @@ def make(backend: str, threads: int) -> tuple[Any, Any]:
     return model, make_batch
 
 
-def loop(model: Any, batches: list[Any], steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def loop(
+    model: Any, batches: list[Any], steps: int, warmup: int
+) -> tuple[list[float], list[float]]:
     """Per-step forward and backward times in microseconds (after ``warmup`` steps)."""
     clock = time.perf_counter_ns
     fwd, bwd = [], []
@@ -169,18 +170,53 @@ def run_mode(mode: str, steps: int, warmup: int, threads: int) -> dict[str, Any]
         missing = patch_stages()
     model, make_batch = make("eager" if mode == "eager" else "ortfx", threads)
     batches = [make_batch(i) for i in range(64)]
-    TIMES.clear()
     loop(model, batches, 1, warmup)  # export and session creation happen here
-    TIMES.clear()
+    for slot in TIMES.values():  # the timers hold their slots: reset in place
+        slot[0] = slot[1] = 0
     fwd, bwd = loop(model, batches, steps, 0)
     return {
         "mode": mode,
         "fwd_us": med(fwd),
         "bwd_us": med(bwd),
-        "step_us": med([a + b for a, b in zip(fwd, bwd)]),
+        "step_us": med([a + b for a, b in zip(fwd, bwd, strict=False)]),
         "mean_step_us": sum(fwd + bwd) / steps,
         "times": {k: (v[0] / 1e3 / steps, v[1] / steps) for k, v in TIMES.items()},
         "missing": missing,
+    }
+
+
+def run_paired(steps: int, warmup: int, threads: int, block: int = 50) -> dict[str, Any]:
+    """Eager and ortfx (ORT run timed) in one process, alternating blocks of ``block`` steps, so
+    both see the same machine state; per-block medians, then the median over blocks."""
+    import torch
+
+    torch.set_num_threads(threads)
+    patch_agent()
+    eager, make_batch = make("eager", threads)
+    ortfx_model, _ = make("ortfx", threads)
+    batches = [make_batch(i) for i in range(64)]
+    loop(eager, batches, 1, warmup)
+    loop(ortfx_model, batches, 1, warmup)
+    e_blocks, o_blocks, ort_blocks = [], [], []
+    for b in range(max(1, steps // block)):
+        for which in ("e", "o") if b % 2 else ("o", "e"):
+            if which == "e":
+                f, w = loop(eager, batches, block, 0)
+                e_blocks.append(med([x + y for x, y in zip(f, w, strict=True)]))
+            else:
+                for slot in TIMES.values():
+                    slot[0] = slot[1] = 0
+                f, w = loop(ortfx_model, batches, block, 0)
+                o_blocks.append(med([x + y for x, y in zip(f, w, strict=True)]))
+                ort_ns = TIMES["ort.run_forward"][0] + TIMES["ort.run_backward"][0]
+                ort_blocks.append(ort_ns / 1e3 / block)
+    return {
+        "mode": "paired",
+        "eager_us": med(e_blocks),
+        "ortfx_us": med(o_blocks),
+        "ort_us": med(ort_blocks),
+        "overhead_us": med([o - r for o, r in zip(o_blocks, ort_blocks, strict=True)]),
+        "minus_eager_us": med([o - e for o, e in zip(o_blocks, e_blocks, strict=True)]),
     }
 
 
@@ -211,10 +247,14 @@ def breakdown(t: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
         ("ORT TrainingAgent.run_backward", g("ort.run_backward")),
         ("DLPack in (_to_ort, per tensor)", g("dlpack_in")),
         ("DLPack out (_to_torch)", g("dlpack_out")),
-        ("runner.forward/backward rest (OrtValueVector, run state, grads for None)",
-         g("runner.forward") + g("runner.backward") - ort - g("dlpack_in") - g("dlpack_out")),
-        ("RunORT.forward body (ctx, save_for_backward, marks)",
-         g("RunORT.forward") - g("runner.forward")),
+        (
+            "runner.forward/backward rest (OrtValueVector, run state, grads for None)",
+            g("runner.forward") + g("runner.backward") - ort - g("dlpack_in") - g("dlpack_out"),
+        ),
+        (
+            "RunORT.forward body (ctx, save_for_backward, marks)",
+            g("RunORT.forward") - g("runner.forward"),
+        ),
         ("RunORT.backward body (result tuple)", g("RunORT.backward") - g("runner.backward")),
         ("autograd.Function.apply machinery", g("RunORT.apply") - g("RunORT.forward")),
         ("flatten (call_tree + optree flatten)", g("flatten")),
@@ -269,7 +309,9 @@ def profile(ns: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
@@ -284,15 +326,23 @@ def main(argv: list[str] | None = None) -> None:
     if ns._mode:
         import json
 
-        print(json.dumps(run_mode(ns._mode, ns.steps, ns.warmup, ns.threads)))
+        if ns._mode == "paired":
+            print(json.dumps(run_paired(ns.steps, ns.warmup, ns.threads)))
+        else:
+            print(json.dumps(run_mode(ns._mode, ns.steps, ns.warmup, ns.threads)))
         return
     mach = common.machine()
-    modes = ["eager", "ortfx", "ortfx+agent", "ortfx+stages"]
+    modes = ["eager", "ortfx", "ortfx+agent", "ortfx+stages", "paired"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(ns.repeats):
-        for m in modes[r % len(modes):] + modes[: r % len(modes)]:
+        for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
             res = in_subprocess(m, ns)
             results[m].append(res)
+            if m == "paired":
+                print(f"repeat {r} paired        eager {res['eager_us']:.1f} us, ortfx "
+                      f"{res['ortfx_us']:.1f} us, ORT run {res['ort_us']:.1f} us",
+                      flush=True)  # fmt: skip
+                continue
             print(f"repeat {r} {m:13s} step {res['step_us']:8.1f} us (fwd {res['fwd_us']:.1f}, "
                   f"bwd {res['bwd_us']:.1f})", flush=True)  # fmt: skip
 
@@ -318,12 +368,24 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "| measurement | forward us | backward us | step us |",
         "|---|---:|---:|---:|",
-        f"| eager PyTorch | {stat('eager', 'fwd_us'):.1f} | {stat('eager', 'bwd_us'):.1f} | {eager:.1f} |",
-        f"| ortfx (uninstrumented) | {stat('ortfx', 'fwd_us'):.1f} | {stat('ortfx', 'bwd_us'):.1f} | {clean:.1f} |",
-        f"| ORT's own run (TrainingAgent.run_forward / run_backward) | {ort_fwd:.1f} | {ort_bwd:.1f} | {agent_ort:.1f} |",
-        f"| **ortfx Python overhead = ortfx - ORT run** | {stat('ortfx', 'fwd_us') - ort_fwd:.1f} | "
-        f"{stat('ortfx', 'bwd_us') - ort_bwd:.1f} | **{clean - agent_ort:.1f}** |",
+        f"| eager PyTorch | {stat('eager', 'fwd_us'):.1f} | {stat('eager', 'bwd_us'):.1f} "
+        f"| {eager:.1f} |",
+        f"| ortfx (uninstrumented) | {stat('ortfx', 'fwd_us'):.1f} "
+        f"| {stat('ortfx', 'bwd_us'):.1f} | {clean:.1f} |",
+        f"| ORT's own run (TrainingAgent.run_forward / run_backward) | {ort_fwd:.1f} "
+        f"| {ort_bwd:.1f} | {agent_ort:.1f} |",
+        f"| **ortfx Python overhead = ortfx - ORT run** | {stat('ortfx', 'fwd_us') - ort_fwd:.1f} "
+        f"| {stat('ortfx', 'bwd_us') - ort_bwd:.1f} | **{clean - agent_ort:.1f}** |",
         f"| ortfx - eager | | | {clean - eager:.1f} |",
+        "",
+        "Paired (eager and ortfx in one process, alternating blocks of 50 steps; robust to a "
+        "noisy machine; median over blocks, then over processes):",
+        "",
+        "| eager us | ortfx us | ORT run us | ortfx - ORT run us | ortfx - eager us |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {stat('paired', 'eager_us'):.1f} | {stat('paired', 'ortfx_us'):.1f} "
+        f"| {stat('paired', 'ort_us'):.1f} | {stat('paired', 'overhead_us'):.1f} "
+        f"| {stat('paired', 'minus_eager_us'):.1f} |",
         "",
         "Breakdown (every stage timed; exclusive us per step, mean over steps; the timers "
         f"themselves inflate the total to {stat('ortfx+stages', 'mean_step_us'):.1f} us):",

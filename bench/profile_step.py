@@ -25,18 +25,19 @@ from typing import Any
 from bench import common
 
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("loss (log-softmax, nll)", ("crossentropy", "log_softmax", "logsoftmax", "nll_loss",
+                                 "logsumexp")),
     ("matmul / gemm", ("matmul", "gemm", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                        "aten::linear", "aten::dot")),
-    ("softmax (attention)", ("softmaxgrad", "aten::_softmax", "aten::softmax")),
-    ("loss (log-softmax, nll)", ("crossentropy", "log_softmax", "nll_loss", "logsoftmax")),
+    ("softmax (attention)", ("softmaxgrad", "aten::_softmax", "aten::softmax", "softmax")),
     ("layernorm", ("layernorm", "layer_norm")),
     ("gelu / activation", ("gelu", "tanh", "relu", "aten::pow", "powgrad")),
     ("embedding / gather", ("gather", "embedding", "index_select", "scatter")),
     ("reductions", ("reduce", "aten::sum", "aten::mean")),
     ("copies / layout", ("transpose", "copy", "clone", "contiguous", "cast", "aten::to",
                          "reshape", "expand", "concat", "aten::cat", "split", "slice", "identity",
-                         "view", "where", "aten::fill_", "zeros", "empty", "aten::ones")),
-    ("elementwise", ("add", "sub", "mul", "div", "sqrt", "neg", "masked", "softmax", "equal",
+                         "view", "aten::fill_", "zeros", "empty", "aten::ones")),
+    ("elementwise", ("add", "sub", "mul", "div", "sqrt", "neg", "masked", "equal", "exp",
                      "less", "greater", "not", "and", "where", "max", "min", "bitwise", "sigmoid")),
 ]  # fmt: skip
 
@@ -64,6 +65,8 @@ def profile_ortfx(ns: argparse.Namespace) -> dict[str, Any]:
     from ortfx.runtime import session
 
     _compat.apply()
+    if ns.graph_pass:
+        _compat.apply_pass(getattr(_compat, ns.graph_pass))
     torch.set_num_threads(ns.threads)
     prefix = os.path.join(tempfile.mkdtemp(prefix="ortprof-"), "ortfx")
     original_so = session.session_options
@@ -154,12 +157,16 @@ def profile_eager(ns: argparse.Namespace) -> dict[str, Any]:
     return {"ops": ops, "counts": counts, "wall_ms": 1e3 * common.median(times)}
 
 
-def report(ns: argparse.Namespace, o: dict[str, Any], e: dict[str, Any], mach: dict[str, Any]) -> str:
+def report(
+    ns: argparse.Namespace, o: dict[str, Any], e: dict[str, Any], mach: dict[str, Any]
+) -> str:
     def top(ops: dict[str, float], counts: dict[str, float], k: int) -> list[str]:
         total = sum(ops.values())
         rows = ["| op | ms/step | calls/step | share |", "|---|---:|---:|---:|"]
         for name, v in sorted(ops.items(), key=lambda kv: -kv[1])[:k]:
-            rows.append(f"| {name} | {v:.2f} | {counts.get(name, 0):.0f} | {100 * v / total:.1f}% |")
+            rows.append(
+                f"| {name} | {v:.2f} | {counts.get(name, 0):.0f} | {100 * v / total:.1f}% |"
+            )
         return rows
 
     def cats(ops: dict[str, float]) -> dict[str, float]:
@@ -197,18 +204,30 @@ def report(ns: argparse.Namespace, o: dict[str, Any], e: dict[str, Any], mach: d
         lines.append(f"| {cat} | {ec.get(cat, 0):.2f} | {oc.get(cat, 0):.2f} | "
                      f"{oc.get(cat, 0) - ec.get(cat, 0):+.2f} |")  # fmt: skip
     lines += ["", f"Top {ns.top} ORT op types (ortfx):", "", *top(o["ops"], o["counts"], ns.top)]
-    lines += ["", f"Top {ns.top} aten ops (eager, self time):", "", *top(e["ops"], e["counts"], ns.top)]
+    lines += [
+        "",
+        f"Top {ns.top} aten ops (eager, self time):",
+        "",
+        *top(e["ops"], e["counts"], ns.top),
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="gpt2-4x256")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument(
+        "--graph-pass",
+        default="",
+        help="a bench._compat pass applied to ortfx's graph, e.g. split_softmax_cross_entropy",
+    )
     p.add_argument("--tag", default="")
     p.add_argument("--_side", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
