@@ -271,7 +271,7 @@ def breakdown(t: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
         g(k) for k in ("flatten", "check_leaves", "schema", "track", "check_devices", "decide",
                        "lookup", "apply", "construct_inputs", "restore", "RunORT.apply")
     )  # fmt: skip
-    rows.append(("_ortfx_forward rest (Call/ExportKey/GradState build, warnings loop)",
+    rows.append(("_ortfx_forward rest (inline code: fast-path key, Call build, bookkeeping)",
                  g("_ortfx_forward") - accounted))  # fmt: skip
     return rows
 
