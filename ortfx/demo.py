@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 import math
 import statistics
 import time
@@ -70,13 +69,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
 
-    logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
-    logging.getLogger("ortfx").setLevel(logging.INFO)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = TinyGPT()
     reference = copy.deepcopy(model)
-    wrapped = ortfx.ORTModule(model)
+    # INFO: one line per transition with its cost, and the feature table per session.
+    wrapped = ortfx.ORTModule(model, ortfx.DebugOptions(log_level=ortfx.LogLevel.INFO))
     opt_ort = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     opt_eager = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     n_params = sum(p.numel() for p in model.parameters())
