@@ -430,3 +430,25 @@ def test_fast_path_keeps_values_python_calls_equal_apart() -> None:
     assert str(ortfx.explain(wrapped)[1]) == (
         "re-export: kwargs['n'] was 1, now True (a static value changed type)"
     )
+
+
+def test_export_leaves_python_numpy_and_torch_random_streams_untouched() -> None:
+    import random
+
+    import numpy as np
+
+    model = models.GPTBlock(dropout=0.3)  # the traced forward draws dropout masks
+    wrapped = ortfx.ORTModule(model)
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    wrapped.eval()
+    with torch.no_grad():
+        wrapped(torch.ones(1, 3, 32))  # exports: runs the module under the tracer
+    assert ortfx.stats(wrapped).exports == 1
+    assert (random.random(), np.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(1), expected[2])
