@@ -173,3 +173,16 @@ def test_cross_entropy_variants(reduction: str, ignore_index: int, transpose: bo
     x = torch.randn(3, 4, 8, requires_grad=True)
     y = torch.randint(0, 5, (3, 4))
     check_parity(Classifier(reduction, ignore_index, transpose), (x, y), loss=lambda loss: loss)
+
+
+def test_cross_entropy_runs_as_log_softmax_and_gather() -> None:
+    """The fused SoftmaxCrossEntropyLoss is split (ORT's CPU kernels for it are slow)."""
+    import onnx
+
+    wrapped = ortfx.ORTModule(models.TinyGPT())
+    ids = torch.randint(0, 64, (2, 8))
+    wrapped(ids, ids).backward()
+    graph = onnx.load_from_string(wrapped._ortfx_state.entries[-1].payload.info.model).graph
+    ops = {n.op_type for n in graph.node}
+    assert "LogSoftmax" in ops and "GatherElements" in ops
+    assert "SoftmaxCrossEntropyLoss" not in ops

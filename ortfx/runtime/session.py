@@ -83,7 +83,7 @@ def _providers(device: torch.device) -> tuple[list[Any], Any]:
 
 
 SESSION_FAILED = (
-    "ONNX Runtime could not create a {kind} session for the exported graph: {error}. "
+    "ONNX Runtime could not create the {kind} session for the exported graph: {error}. "
     "Usually an operator has no kernel for these dtypes on {device} in ORT 1.19 (e.g. integer "
     "arithmetic on uint8); compute in a supported dtype, or let ortfx fall back to PyTorch."
 )
