@@ -49,9 +49,7 @@ def wrap(
         return torch.compile(model)
     if backend == "ortfx":
         import ortfx
-        from bench import _compat
 
-        _compat.apply()
         return ortfx.ORTModule(
             model, options=ortfx.Options(intra_op_threads=threads, **(ortfx_options or {}))
         )

@@ -163,9 +163,7 @@ def measure(model_name: str, config: str, warmup: int, steps: int, seed: int) ->
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif kind == "ortfx":
         import ortfx
-        from bench import _compat
 
-        _compat.apply()
         if not arena:
             _disable_ort_arena()
         wrapped = ortfx.ORTModule(

@@ -80,15 +80,7 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         _set("enable_mem_reuse", lambda o: True),
         {},
     ),
-    "sce-split": (
-        "graph pass: SoftmaxCrossEntropyLoss -> LogSoftmax + GatherElements (bench/_compat.py)",
-        None,
-        {},
-    ),
 }  # fmt: skip
-
-# Variants that rewrite the graph each TrainingRunner receives (names of bench._compat passes).
-GRAPH_PASSES: dict[str, str] = {"sce-split": "split_softmax_cross_entropy"}
 
 
 def patch(variant: str, when: Callable[[], bool] = lambda: True) -> None:
@@ -96,12 +88,8 @@ def patch(variant: str, when: Callable[[], bool] = lambda: True) -> None:
     this process, for sessions created while ``when()`` is true."""
     import onnxruntime as ort
 
-    from bench import _compat
     from ortfx.runtime import session
 
-    _compat.apply()
-    if variant in GRAPH_PASSES:
-        _compat.apply_pass(getattr(_compat, GRAPH_PASSES[variant]), when)
     so_edit = VARIANTS[variant][1]
     if so_edit is None:
         return
@@ -173,9 +161,6 @@ def paired(ns: argparse.Namespace) -> dict[str, Any]:
         value = float(loss.detach())
         return time.perf_counter() - t0, time.process_time() - c0, value
 
-    from bench import _compat
-
-    _compat.apply()
     a = make("ortfx", {})
     first_a = one(*a, 0)
     active[0] = True

@@ -41,11 +41,6 @@ def require_ort() -> None:
         raise OrtfxInitError(ORT_MISSING.format(error=_IMPORT_ERROR))
 
 
-def ort_version() -> str:
-    require_ort()
-    return str(ort.__version__)
-
-
 @attrs.frozen
 class Timings:
     """One-time costs, in seconds, for the log line and for users."""
