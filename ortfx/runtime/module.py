@@ -438,16 +438,7 @@ class ORTModule(torch.nn.Module):
         if last is not None and not self._ortfx_dynamic:
             # Steady state: the same kind of call as the last one, whose entry is still the
             # most recent. A plain-tuple signature stands in for schema, Call and decide.
-            signature = _signature(leaves)
-            fast = (
-                spec,
-                signature,
-                self.module.training,
-                state.module_version.number,
-                tuple(p.requires_grad for p in tracked.params),
-                torch.are_deterministic_algorithms_enabled(),
-                tracked.device,
-            )
+            fast = _signature(spec, leaves, self.module.training, state, tracked)
             if fast == last[0] and state.entries and state.entries[-1].key is last[1].key:
                 return self._ortfx_execute(
                     args, kwargs, leaves, tracked, last[1], last[2], state, count_reuse(state)
@@ -531,15 +522,7 @@ class ORTModule(torch.nn.Module):
             args, kwargs, leaves, tracked, call, compiled, state, new_state
         )
         if not self._ortfx_dynamic and self._ortfx_state.entries[-1].key is call.key:
-            fast = (
-                spec,
-                _signature(leaves),
-                call.key.training,
-                call.key.module_version.number,
-                params_rg,
-                deterministic,
-                tracked.device,
-            )
+            fast = _signature(spec, leaves, call.key.training, state, tracked)
             self.__dict__["_ortfx_last"] = (fast, call, compiled)
         return result
 
@@ -825,16 +808,33 @@ class ORTModule(torch.nn.Module):
         )
 
 
-def _signature(leaves: list[Any]) -> tuple[Any, ...]:
-    """What the schema, grad and device checks see of the leaves, as a plain tuple.
+def _signature(
+    spec: optree.PyTreeSpec,
+    leaves: list[Any],
+    training: bool,
+    state: ExportState[Compiled],
+    tracked: Tracked,
+) -> tuple[Any, ...]:
+    """A plain-tuple stand-in for everything the slow path keys on (schema, mode, module
+    version, grad flags, determinism, device), for the steady-state fast path.
 
     Floats compare by repr (0.0 vs -0.0); anything else unusual just misses the fast path.
+    Options are not in it: ``configure`` clears the cached signature.
     """
-    return tuple(
+    kinds = tuple(
         (x.dtype, x.dim(), x.requires_grad, x.device)
         if isinstance(x, torch.Tensor)
         else (type(x), repr(x) if type(x) is float else x)
         for x in leaves
+    )
+    return (
+        spec,
+        kinds,
+        training,
+        state.module_version.number,
+        tuple(p.requires_grad for p in tracked.params),
+        torch.are_deterministic_algorithms_enabled(),
+        tracked.device,
     )
 
 
