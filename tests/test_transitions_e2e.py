@@ -451,3 +451,29 @@ def test_export_leaves_python_numpy_and_torch_random_streams_untouched() -> None
     assert ortfx.stats(wrapped).exports == 1
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(1), expected[2])
+
+
+def test_steady_calls_take_the_fast_path_without_deciding(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ortfx.runtime.module as shell
+
+    decisions = []
+    real_decide = shell.decide
+    monkeypatch.setattr(
+        shell, "decide", lambda state, call: decisions.append(1) or real_decide(state, call)
+    )
+    wrapped = ortfx.ORTModule(Switchy())
+    for t in (3, 5, 7, 2):  # other sizes, same kind of call
+        wrapped(torch.randn(t, 4)).sum().backward()
+    assert len(decisions) == 1  # only the first call went through schema + decide
+    wrapped(X, flag=False)
+    assert len(decisions) == 2  # a different call takes the slow path again
+    assert ortfx.stats(wrapped).calls == 5
+
+
+def test_configure_rejects_unknown_options_and_keeps_state() -> None:
+    wrapped = ortfx.ORTModule(Switchy())
+    with pytest.raises(
+        TypeError, match=r"^ortfx.configure got unknown option\(s\) 'bogus'; valid options are "
+    ):
+        ortfx.configure(wrapped, bogus=1)
+    assert wrapped._ortfx_options == ortfx.Options()

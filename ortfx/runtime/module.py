@@ -983,6 +983,13 @@ def configure(model: torch.nn.Module, **changes: Any) -> None:
     invalid values raise and leave the wrapper as it was.
     """
     wrapper = _wrapper(model)
+    known = {f.name for f in attrs.fields(Options)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(
+            f"ortfx.configure got unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"valid options are {', '.join(sorted(known))} (see docs/options.md)."
+        )
     options = attrs.evolve(wrapper._ortfx_options, **changes)
     own = wrapper.__dict__
     own["_ortfx_options"] = options
