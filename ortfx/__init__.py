@@ -15,7 +15,15 @@ from ortfx.errors import (
 )
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
-from ortfx.runtime.module import ORTModule, configure, explain, invalidate, memory_report, stats
+from ortfx.runtime.module import (
+    ORTModule,
+    configure,
+    explain,
+    invalidate,
+    memory_report,
+    options_of,
+    stats,
+)
 from ortfx.transitions import Reason, Stats, Transition
 
 __all__ = [
@@ -40,5 +48,6 @@ __all__ = [
     "explain",
     "invalidate",
     "memory_report",
+    "options_of",
     "stats",
 ]

@@ -83,3 +83,84 @@ CUDA_PROVIDER_MISSING = (
     "`pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2` "
     "(needs CUDA 11.8 and cuDNN 8), or keep the module on the CPU."
 )
+
+ALREADY_WRAPPED = (
+    "ortfx.ORTModule was given a module that is already an ORTModule; wrap the original module "
+    "once."
+)
+
+BAD_DEBUG_OPTIONS = (
+    "debug_options must be an ortfx.DebugOptions, got {type_name}; "
+    "pass e.g. ortfx.DebugOptions(log_level=ortfx.LogLevel.INFO)."
+)
+
+NOT_A_WRAPPER = (
+    "expected an ortfx.ORTModule, got {type_name}; wrap the model first: "
+    "model = ortfx.ORTModule(model)."
+)
+
+UNKNOWN_OPTIONS = (
+    "ortfx.configure got unknown option(s) {unknown}; valid options are {known} "
+    "(see docs/options.md)."
+)
+
+NO_TRAINING_GRAPH = (
+    "ortfx.memory_report: this model has not run a training step through ONNX Runtime yet; call "
+    "it after the first forward with gradients."
+)
+
+TOO_MANY_RECOVERIES = (
+    "ortfx tried {count} times to rebuild the graph for this call ({causes}) and ORT still could "
+    "not run it; this is an ortfx bug, please report it with the log (LogLevel.INFO)."
+)
+
+# ---- log lines (WARNING/INFO); the arguments are filled in by ortfx.runtime.logs ----------------
+
+FALLING_BACK = (
+    "falling back to PyTorch (policy %s allows it): %s. %s; to make this an error, pass "
+    "Options(fallback_policy=ortfx.FallbackPolicy.DISABLE) or set "
+    "ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE."
+)
+
+BAKED_DYNAMIC_SCALARS = (
+    "%s %s in dynamic_scalars, but the exported graph does not read %s as a tensor: the module "
+    "turns the value into a Python value (e.g. range(n), if n > 0), which the tracer bakes in. "
+    "ortfx treats %s as static from now on; remove %s from Options.dynamic_scalars"
+)
+
+TRACER_BAKED_VALUES = (
+    "the tracer baked %d Python value(s) computed from tensors into the graph, first: %s. If such "
+    "a value changes from call to call (a dynamic scalar used in Python control flow, an int "
+    "taken from a size), the graph is wrong for other values: keep it a static argument instead"
+)
+
+SWITCHING_TO_DYNAMO = (
+    "the torchscript graph cannot run these input sizes (%s); switching this module to the "
+    "dynamo exporter, which keeps sizes symbolic"
+)
+
+COMPUTE_OPTIMIZER_FAILED = (
+    "ONNX Runtime's compute optimizer failed on this graph (%s); the gradient graph was built "
+    "without it. Options(enable_compute_optimizer=False) or ORTMODULE_ENABLE_COMPUTE_OPTIMIZER=0 "
+    "skips the failing attempt"
+)
+
+CHECKPOINT_RECOMPUTED = (
+    "the module calls torch.utils.checkpoint %d time(s); ortfx exports the checkpointed "
+    "functions as plain code and memory_opt_level %d recomputes layer-wise inside ONNX Runtime "
+    "instead"
+)
+
+CHECKPOINT_NOT_RECOMPUTED = (
+    "the module calls torch.utils.checkpoint %d time(s); ortfx exports the checkpointed "
+    "functions as plain code, so at memory_opt_level 0 their activations are kept like any "
+    "others (no recompute). For layer-wise recompute inside ONNX Runtime pass "
+    "Options(memory_opt_level=1) or set ORTMODULE_MEMORY_OPT_LEVEL=1"
+)
+
+MEMORY_CONFIG_IGNORED = (
+    "memory_opt_level %d turns on every layer-wise plan itself and ignores memory_opt_config %r; "
+    "use level 0 to apply only the listed plans"
+)
+
+MEMORY_PLAN_UNMATCHED = "memory optimizer plan %s matches nothing in this graph; its plans are: %s"

@@ -9,10 +9,12 @@ Order of precedence: ``Reexport`` > ``Reprocess`` > ``NewSession`` > ``Reuse``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
-from typing import Generic, TypeAlias, TypeVar
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import attrs
+import optree
+import torch
 
 from ortfx import io
 from ortfx.options import ExportOptions
@@ -66,10 +68,12 @@ class GradState:
 
 @attrs.frozen
 class SessionKey:
-    """What only needs a new ORT session: the device and torch's determinism flag."""
+    """What only needs a new ORT session: the device, torch's determinism flag and the
+    session settings (``(option name, value)`` pairs: threads, spinning, CPU arena)."""
 
     device: str
     deterministic: bool
+    settings: tuple[tuple[str, Any], ...] = ()
 
 
 @attrs.frozen
@@ -148,6 +152,10 @@ class Stats:
     # Why the last call ran in PyTorch instead of ORT (None when it ran in ORT).
     fallback: str | None = None
     fallback_calls: int = 0
+    # Calls that skipped schema and decide: same kind of call as the previous one.
+    fast_hits: int = 0
+    # Calls that raised to the user (bad input, user exception, no fallback allowed).
+    failed_calls: int = 0
 
 
 REPEAT_WARN_AFTER = 3
@@ -293,6 +301,14 @@ def explain_grad(seen: GradState, given: GradState, paths: tuple[str, ...]) -> t
 
 def explain_session(seen: SessionKey, given: SessionKey) -> tuple[Reason, ...]:
     reasons = []
+    before = dict(seen.settings)
+    for name, value in given.settings:
+        if name in before and before[name] != value:
+            reasons.append(
+                Reason(
+                    f"option {name}", repr(before[name]), repr(value), "a session setting changed"
+                )
+            )
     if seen.device != given.device:
         reasons.append(Reason("device", seen.device, given.device, "the module changed device"))
     if seen.deterministic != given.deterministic:
@@ -400,8 +416,100 @@ def count_reuse(state: ExportState[P]) -> ExportState[P]:
     return attrs.evolve(
         state,
         stats=attrs.evolve(
-            stats, calls=stats.calls + 1, cache_hits=stats.cache_hits + 1, fallback=None
+            stats,
+            calls=stats.calls + 1,
+            cache_hits=stats.cache_hits + 1,
+            fast_hits=stats.fast_hits + 1,
+            fallback=None,
         ),
+    )
+
+
+def count_failure(state: ExportState[P]) -> ExportState[P]:
+    """A call that raised to the user; nothing it built is kept."""
+    stats = state.stats
+    return attrs.evolve(
+        state,
+        stats=attrs.evolve(stats, calls=stats.calls + 1, failed_calls=stats.failed_calls + 1),
+    )
+
+
+def replace_payload(state: ExportState[P], key: ExportKey, payload: P) -> ExportState[P]:
+    """The state with the entry for ``key`` carrying ``payload`` (e.g. a runner built lazily)."""
+    entries = tuple(
+        attrs.evolve(e, payload=payload) if e.key is key or e.key == key else e
+        for e in state.entries
+    )
+    return attrs.evolve(state, entries=entries)
+
+
+# ---- one call: its key, and the cheap signature the shell's fast path compares -----------------
+
+
+@attrs.frozen
+class CallContext:
+    """What a call's key depends on besides its arguments: read off the module and the options."""
+
+    training: bool
+    module_version: ModuleVersion
+    export_options: ExportOptions
+    versions: tuple[str, str]
+    param_names: tuple[str, ...]
+    params_requiring_grad: tuple[bool, ...]
+    memory: tuple[int, str]
+    device: str
+    deterministic: bool
+    settings: tuple[tuple[str, Any], ...] = ()
+
+
+def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallContext) -> Call:
+    """The :class:`Call` for already flattened (and checked) leaves in ``context``."""
+    schema = ModelSchema.from_flat(leaves, treespec)
+    return Call(
+        ExportKey(
+            schema,
+            context.training,
+            context.module_version,
+            context.export_options,
+            context.versions,
+        ),
+        GradState(
+            schema.requires_grad,
+            context.params_requiring_grad,
+            context.param_names,
+            context.memory,
+        ),
+        SessionKey(context.device, context.deterministic, context.settings),
+    )
+
+
+def _leaf_signature(x: Any) -> Hashable:
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.dim(), x.requires_grad, x.device)
+    # StaticSpec compares type and repr: True vs 1, 0.0 vs -0.0 and nan must stay apart/equal.
+    return (type(x), repr(x) if type(x) is float else x)
+
+
+def signature(
+    leaves: Sequence[Any],
+    treespec: optree.PyTreeSpec,
+    training: bool,
+    module_version: int,
+    params_requiring_grad: tuple[bool, ...],
+    deterministic: bool,
+    device: str,
+) -> tuple[Any, ...]:
+    """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
+    :class:`Call` s in the same context (options, versions, device and parameter names fixed):
+    the shell's steady-state fast path compares it instead of building the call."""
+    return (
+        treespec,
+        tuple(map(_leaf_signature, leaves)),
+        training,
+        module_version,
+        params_requiring_grad,
+        deterministic,
+        device,
     )
 
 

@@ -171,7 +171,7 @@ def test_changing_the_level_reprocesses_without_export() -> None:
     )
     with pytest.raises(ValueError, match="'memory_opt_level' must be one of 0, 1, 2"):
         ortfx.configure(wrapped, memory_opt_level=5)
-    assert wrapped._ortfx_options.memory_opt_level == 1
+    assert ortfx.options_of(wrapped).memory_opt_level == 1
 
 
 class Checkpointed(nn.Module):

@@ -166,7 +166,7 @@ def test_environment_log_level_overrides_the_constructor(
 ) -> None:
     monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "ERROR")
     wrapped = ortfx.ORTModule(models.MLP(), ortfx.DebugOptions(log_level=LogLevel.INFO))
-    assert wrapped._ortfx_options.log_level == LogLevel.ERROR
+    assert ortfx.options_of(wrapped).log_level == LogLevel.ERROR
     with caplog.at_level(logging.DEBUG, logger="ortfx"):
         wrapped(torch.randn(2, 8)).sum().backward()
     assert [r for r in caplog.records if r.name == "ortfx"] == []
@@ -291,8 +291,11 @@ def test_without_the_cpu_memory_arena_training_matches() -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 8, requires_grad=True)
     wrapped = ortfx.ORTModule(models.MLP(), options=Options(cpu_mem_arena=False))
+    from ortfx.runtime import events
     from tests.models import check_parity
 
-    check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
-    runner = wrapped._ortfx_state.entries[-1].payload.training
-    assert runner.session.get_session_options().enable_cpu_mem_arena is False
+    with events.recording() as seen:
+        check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
+    runners = [args[1] for name, args in seen if name == "session" and args[0] == "training"]
+    assert len(runners) == 1
+    assert runners[0].session.get_session_options().enable_cpu_mem_arena is False

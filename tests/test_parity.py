@@ -179,10 +179,14 @@ def test_cross_entropy_runs_as_log_softmax_and_gather() -> None:
     """The fused SoftmaxCrossEntropyLoss is split (ORT's CPU kernels for it are slow)."""
     import onnx
 
+    from ortfx.runtime import events
+
     wrapped = ortfx.ORTModule(models.TinyGPT())
     ids = torch.randint(0, 64, (2, 8))
-    wrapped(ids, ids).backward()
-    graph = onnx.load_from_string(wrapped._ortfx_state.entries[-1].payload.info.model).graph
+    with events.recording() as seen:
+        wrapped(ids, ids).backward()
+    (info,) = [args[0] for name, args in seen if name == "export"]
+    graph = onnx.load_from_string(info.model).graph
     ops = {n.op_type for n in graph.node}
     assert "LogSoftmax" in ops and "GatherElements" in ops
     assert "SoftmaxCrossEntropyLoss" not in ops

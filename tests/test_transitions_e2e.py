@@ -7,6 +7,7 @@ import logging
 import warnings
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from torch import nn
@@ -265,7 +266,7 @@ def test_invalidate_after_inner_plain_attribute_change() -> None:
     assert ortfx.stats(wrapped).exports == 2
 
 
-def test_failed_call_leaves_state_unchanged() -> None:
+def test_failed_call_is_counted_and_changes_nothing_else() -> None:
     strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
     wrapped = ortfx.ORTModule(Switchy(), options=strict)
     wrapped(X)
@@ -274,7 +275,11 @@ def test_failed_call_leaves_state_unchanged() -> None:
         wrapped(X, extra=object())
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         wrapped(X, bogus=1)
-    assert ortfx.stats(wrapped) == before
+    after = ortfx.stats(wrapped)
+    assert after == attrs.evolve(before, calls=before.calls + 2, failed_calls=2)
+    assert len(ortfx.explain(wrapped)) == 1  # no transition from the failed calls
+    wrapped(X)  # and the good call after them reuses the graph
+    assert ortfx.stats(wrapped).exports == 1 and ortfx.stats(wrapped).fast_hits == 1
 
 
 class Attention(nn.Module):
@@ -389,8 +394,12 @@ def test_configure_cache_size_shrinks_the_cache() -> None:
 
 def test_register_buffer_through_the_wrapper_bumps_the_version_once() -> None:
     wrapped = ortfx.ORTModule(Switchy())
+    wrapped(X)
     wrapped.register_buffer("extra", torch.ones(1))
-    assert wrapped._ortfx_state.module_version.number == 1
+    wrapped(X)
+    assert [str(t) for t in ortfx.explain(wrapped)][1:] == [
+        "re-export: module was version 0, now version 1 (buffer 'extra' registered through the wrapper)"
+    ]
 
 
 def test_repeated_reexport_warning_points_at_the_callers_line() -> None:
@@ -453,21 +462,18 @@ def test_export_leaves_python_numpy_and_torch_random_streams_untouched() -> None
     assert torch.equal(torch.rand(1), expected[2])
 
 
-def test_steady_calls_take_the_fast_path_without_deciding(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ortfx.runtime.module as shell
+def test_steady_calls_take_the_fast_path_without_deciding() -> None:
+    from ortfx.runtime import events
 
-    decisions = []
-    real_decide = shell.decide
-    monkeypatch.setattr(
-        shell, "decide", lambda state, call: decisions.append(1) or real_decide(state, call)
-    )
     wrapped = ortfx.ORTModule(Switchy())
-    for t in (3, 5, 7, 2):  # other sizes, same kind of call
-        wrapped(torch.randn(t, 4)).sum().backward()
-    assert len(decisions) == 1  # only the first call went through schema + decide
-    wrapped(X, flag=False)
-    assert len(decisions) == 2  # a different call takes the slow path again
-    assert ortfx.stats(wrapped).calls == 5
+    with events.recording() as seen:
+        for t in (3, 5, 7, 2):  # other sizes, same kind of call
+            wrapped(torch.randn(t, 4)).sum().backward()
+        assert [name for name, _ in seen].count("decide") == 1  # only the first call decided
+        wrapped(X, flag=False)
+    assert [name for name, _ in seen].count("decide") == 2  # a different call: slow path again
+    s = ortfx.stats(wrapped)
+    assert (s.calls, s.fast_hits) == (5, 3)
 
 
 def test_configure_rejects_unknown_options_and_keeps_state() -> None:
@@ -476,4 +482,4 @@ def test_configure_rejects_unknown_options_and_keeps_state() -> None:
         TypeError, match=r"^ortfx.configure got unknown option\(s\) 'bogus'; valid options are "
     ):
         ortfx.configure(wrapped, bogus=1)
-    assert wrapped._ortfx_options == ortfx.Options()
+    assert ortfx.options_of(wrapped) == ortfx.Options()

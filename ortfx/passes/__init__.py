@@ -1,7 +1,9 @@
 """Post-export processing: pure passes over a model record, composed with :func:`chain`.
 
 Each pass takes a :class:`PostExportProcessedModelInfo` and returns a new one; none mutates its
-input (graph edits happen on a private copy of the decoded model).
+input (graph edits happen on a private copy of the decoded model). Every graph ORT runs comes out
+of one of two named pipelines: :func:`for_export` (once per export) and :func:`for_session` (once
+per ORT session: grad requirements, dropout seeds, symbolic shapes).
 """
 
 from __future__ import annotations
@@ -18,16 +20,38 @@ from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
 Pass = Callable[[PostExportProcessedModelInfo], PostExportProcessedModelInfo]
 
 
+Edit = Callable[[onnx.ModelProto], bool]
+
+
 def chain(*passes: Pass) -> Pass:
-    """Compose passes left to right (Optax's ``chain`` for graphs)."""
+    """Compose passes left to right (Optax's ``chain`` for graphs).
+
+    Consecutive graph edits (:func:`graph_pass`) share one decoded copy of the model, so a
+    pipeline parses and serializes the proto once per run of edits, not once per pass.
+    """
 
     def run(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
-        return functools.reduce(lambda acc, p: p(acc), passes, info)
+        model: onnx.ModelProto | None = None
+        changed = False
+        for p in passes:
+            edit: Edit | None = getattr(p, "edit", None)
+            if edit is not None:
+                if model is None:
+                    model = onnx.load_model_from_string(info.model)
+                changed = edit(model) or changed
+                continue
+            if model is not None and changed:
+                info = attrs.evolve(info, model=model.SerializeToString())
+            model, changed = None, False
+            info = p(info)
+        if model is not None and changed:
+            info = attrs.evolve(info, model=model.SerializeToString())
+        return info
 
     return run
 
 
-def graph_pass(edit: Callable[[onnx.ModelProto], bool]) -> Pass:
+def graph_pass(edit: Edit) -> Pass:
     """Lift an in-place edit of a private ModelProto copy into a pure pass.
 
     ``edit`` returns whether it changed anything; an unchanged model keeps its bytes.
@@ -40,6 +64,7 @@ def graph_pass(edit: Callable[[onnx.ModelProto], bool]) -> Pass:
             return info
         return attrs.evolve(info, model=model.SerializeToString())
 
+    run.edit = edit  # type: ignore[attr-defined]  # lets chain() share one decoded model
     return run
 
 
@@ -320,8 +345,32 @@ def with_grad_requirements(
     return run
 
 
+def with_dynamic_scalars(paths: frozenset[str]) -> Pass:
+    """Record which scalar leaves the graph reads as tensors (``Options.dynamic_scalars``)."""
+
+    def run(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+        return info if info.dynamic_scalars == paths else attrs.evolve(info, dynamic_scalars=paths)
+
+    return run
+
+
+def symbolic_shapes(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+    """Annotate intermediate values with sizes in terms of the input dims, so that ORT's
+    memory estimates are expressions of input sizes; unchanged if inference fails."""
+    # ORT's tool, imported here so that importing the passes needs no ORT.
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        model = SymbolicShapeInference.infer_shapes(
+            onnx.load_model_from_string(info.model), auto_merge=True, guess_output_rank=True
+        )
+    except Exception:
+        return info
+    return attrs.evolve(info, model=model.SerializeToString())
+
+
 def after_export(padding: Mapping[str, int]) -> Pass:
-    """The passes applied once per export; grad requirements and seeds come per session."""
+    """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
         add_layernorm_stats,
         split_cross_entropy,
@@ -331,3 +380,30 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         embedding_padding(padding),
         user_inputs_first,
     )
+
+
+def for_export(padding: Mapping[str, int], dynamic_scalars: frozenset[str]) -> Pass:
+    """Pipeline 1, once per export: make the exporter's graph trainable by ORT.
+
+    ``padding`` maps embedding weights to their ``padding_idx``; ``dynamic_scalars`` are the
+    scalar leaves fed as tensors.
+    """
+    return chain(after_export(padding), with_dynamic_scalars(dynamic_scalars))
+
+
+def for_session(
+    inputs_requiring_grad: frozenset[int],
+    params_requiring_grad: frozenset[str],
+    *,
+    seed: int,
+    symbolic: bool = False,
+) -> Pass:
+    """Pipeline 2, once per ORT session: what this session differentiates, the dropout seeds
+    of torch's current seed, and (for the memory optimizer) symbolic intermediate shapes."""
+    stages: list[Pass] = [
+        with_grad_requirements(inputs_requiring_grad, params_requiring_grad),
+        seed_dropouts(seed),
+    ]
+    if symbolic:
+        stages.append(symbolic_shapes)
+    return chain(*stages)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
+from ortfx import errors
 from ortfx.options import FallbackPolicy, LogLevel, Options
 
 logger = logging.getLogger("ortfx")
@@ -44,6 +47,12 @@ class WrapperLog:
             # A level the application set on the "ortfx" logger is respected.
             logger.setLevel(LogLevel.VERBOSE)
         logger.log(level, message, *args)
+
+
+@functools.cache
+def wrapper_log(level: LogLevel) -> WrapperLog:
+    """The (shared, stateless) log view for one ``log_level``."""
+    return WrapperLog(level)
 
 
 @contextlib.contextmanager
@@ -142,3 +151,111 @@ def _policy(policy: FallbackPolicy) -> str:
 
 def _on(value: bool) -> str:
     return "ON" if value else "OFF"
+
+
+# ---- the shell's log lines: one function per kind of line ---------------------------------------
+
+
+def transition(log: WrapperLog, line: str, cost: str) -> None:
+    """``export: module was never exported, now called (first call) [export 0.4 s]``."""
+    log.log(logging.INFO, "%s%s", line, f" [{cost}]" if cost else "")
+
+
+def fallback(log: WrapperLog, flag: FallbackPolicy, reason: str, *, later: str) -> None:
+    log.log(logging.WARNING, errors.FALLING_BACK, flag.name, reason, later[0].upper() + later[1:])
+
+
+def baked_scalars(log: WrapperLog, paths: Iterable[str]) -> None:
+    baked = list(paths)
+    one = len(baked) == 1
+    it = "it" if one else "them"
+    log.log(
+        logging.WARNING,
+        errors.BAKED_DYNAMIC_SCALARS,
+        ", ".join(baked),
+        "is" if one else "are",
+        it,
+        it,
+        it,
+    )
+
+
+def tracer_baked(log: WrapperLog, found: tuple[str, ...], *, dynamic: bool) -> None:
+    # Python values computed from tensors are constants of the graph: fine for sizes the graph
+    # never sees change, wrong for values fed as dynamic scalars.
+    log.log(
+        logging.WARNING if dynamic else logging.INFO,
+        errors.TRACER_BAKED_VALUES,
+        len(found),
+        found[0],
+    )
+
+
+def exporter_switch(log: WrapperLog, error: Exception) -> None:
+    log.log(logging.WARNING, errors.SWITCHING_TO_DYNAMO, error)
+
+
+def compute_optimizer_failed(log: WrapperLog, failure: str) -> None:
+    log.log(logging.WARNING, errors.COMPUTE_OPTIMIZER_FAILED, failure)
+
+
+def checkpoint_calls(log: WrapperLog, calls: int, level: int) -> None:
+    if level:
+        log.log(logging.INFO, errors.CHECKPOINT_RECOMPUTED, calls, level)
+    else:
+        log.log(logging.WARNING, errors.CHECKPOINT_NOT_RECOMPUTED, calls)
+
+
+def memory_plans(
+    log: WrapperLog,
+    options: Options,
+    report: str,
+    discovered: Mapping[str, tuple[str, int]],
+    plans: Iterable[Any],
+    *,
+    say_ignored: bool,
+) -> None:
+    """The recompute plans chosen for a training graph, and what the user's config missed."""
+    if say_ignored:
+        log.log(
+            logging.WARNING,
+            errors.MEMORY_CONFIG_IGNORED,
+            options.memory_opt_level,
+            options.memory_opt_config,
+        )
+    found = {c.split(",")[0].rsplit(":", 2)[0] for c in discovered}
+    for plan in plans:
+        if plan.cluster not in found:
+            log.log(
+                logging.WARNING,
+                errors.MEMORY_PLAN_UNMATCHED,
+                plan,
+                ", ".join(sorted(discovered)) or "none",
+            )
+    log.log(logging.INFO, "%s", report)
+
+
+def runner_ready(
+    log: WrapperLog, kind: str, timings: str, options: Options, exporter: str, deterministic: bool
+) -> None:
+    if not log.enabled(logging.INFO):
+        return
+    log.log(logging.INFO, "%s session ready [one-time cost: %s]", kind, timings)
+    log.log(logging.INFO, "%s", feature_table(options, exporter, deterministic=deterministic))
+
+
+# ---- ONNX files (DebugOptions(save_onnx=True)) --------------------------------------------------
+
+
+def save_prefix(options: Options) -> str | None:
+    """Where this wrapper's ONNX files go (``None``: not saved)."""
+    if not options.save_onnx:
+        return None
+    return os.path.join(options.save_path or os.getcwd(), options.onnx_prefix)
+
+
+def save_onnx(prefix: str | None, stage: str, mode: str, model: bytes) -> None:
+    """Write one stage's graph as ``{prefix}_{stage}_{mode}.onnx``."""
+    if prefix:
+        with open(f"{prefix}_{stage}_{mode}.onnx", "wb") as f:
+            f.write(model)

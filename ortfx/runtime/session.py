@@ -146,21 +146,6 @@ def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> 
     )
 
 
-def with_symbolic_shapes(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
-    """Annotate intermediate values with sizes in terms of the input dims, so that ORT's
-    memory estimates are expressions of input sizes; unchanged if inference fails."""
-    import onnx
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-    try:
-        model = SymbolicShapeInference.infer_shapes(
-            onnx.load_model_from_string(info.model), auto_merge=True, guess_output_rank=True
-        )
-    except Exception:
-        return info
-    return attrs.evolve(info, model=model.SerializeToString())
-
-
 GRADIENT_BUILD_FAILED = (
     "ONNX Runtime could not build the gradient graph: {error}. Save the graphs with "
     "DebugOptions(save_onnx=True, onnx_prefix=...) to see the operator involved, try "
@@ -187,106 +172,67 @@ def _build_gradient(
     return builder
 
 
-class TrainingRunner:
-    """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later."""
+def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
+    """The options that shape an ORT session (not the graph): part of the session key."""
+    return (
+        ("intra_op_threads", options.intra_op_threads or torch.get_num_threads()),
+        ("allow_spinning", options.allow_spinning),
+        ("cpu_mem_arena", options.cpu_mem_arena),
+    )
 
-    def __init__(
-        self,
-        info: PostExportProcessedModelInfo,
-        device: torch.device,
-        options: Options,
-        *,
-        deterministic: bool,
-        save_prefix: str | None = None,
-        memory: tuple[str, tuple[str, ...]] | None = None,
-    ) -> None:
-        """``memory`` is (probe config, plan strings) to turn the memory optimizer on."""
-        require_ort()
-        self.info = info
-        start = time.perf_counter()
-        config = C.OrtModuleGraphBuilderConfiguration()
-        config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
-        config.initializer_names_to_train = list(info.params_to_train)
-        config.input_names_require_grad = list(info.user_inputs_requiring_grad)
-        config.build_gradient_graph = True
-        config.enable_caching = False
-        config.use_memory_efficient_gradient = False
-        config.loglevel = C.Severity.ERROR
-        pre_grad = f"{save_prefix}_optimized_pre_grad_training.onnx" if save_prefix else None
-        # Set when ORT's compute optimizer failed on this graph and the build went without it.
-        self.compute_optimizer_failure: str | None = None
-        try:
-            builder = _build_gradient(
-                info.model, config, options.enable_compute_optimizer, pre_grad
-            )
-        except Exception as e:
-            if not options.enable_compute_optimizer:
-                raise OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(e))) from e
-            # ORT 1.19's compute optimizer crashes on some graphs (e.g. logits sliced before
-            # the loss) that build fine without it.
-            self.compute_optimizer_failure = _first_line(e)
-            try:
-                builder = _build_gradient(info.model, config, False, pre_grad)
-            except Exception as again:
-                raise OrtfxInitError(
-                    GRADIENT_BUILD_FAILED.format(error=_first_line(again))
-                ) from again
-        self.graph_info = builder.get_graph_info()
-        self.gradient_model: bytes = builder.get_gradient_model()
-        self.gradient_build_seconds = time.perf_counter() - start
 
-        start = time.perf_counter()
-        providers, ort_device = _providers(device)
-        so = session_options(options, training=True, deterministic=deterministic)
-        plan_file = None
-        if memory is not None:
-            probe, plans = memory
-            # ORT reads the plans from a JSON file while it creates the session.
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as plan_file:
-                json.dump(list(plans), plan_file)
-            so.add_session_config_entry("optimization.memory_optimizer_config", plan_file.name)
-            so.add_session_config_entry("optimization.enable_memory_probe_recompute_config", probe)
-            so.execution_order = ort.ExecutionOrder.MEMORY_EFFICIENT
-        if save_prefix:
-            with open(f"{save_prefix}_optimized_training.onnx", "wb") as f:
-                f.write(self.gradient_model)
-            so.optimized_model_filepath = f"{save_prefix}_execution_model_training.onnx"
-        try:
-            self.session = _session(
-                self.gradient_model,
-                so,
-                providers,
-                kind="training",
-                device=device,
-            )
-        finally:
-            if plan_file is not None:
-                os.unlink(plan_file.name)
-        gi = self.graph_info
-        feeds = [*gi.user_input_names, *gi.initializer_names]
-        ours = [i.name for i in info.inputs]
-        if feeds != ours:
-            raise OrtfxInitError(
-                f"ORT orders the graph inputs as {feeds}, ortfx as {ours}; "
-                "this is an ortfx bug, please report it."
-            )
-        fetches = [o.name for o in self.session.get_outputs()]
-        # The device lists must match ORT's own counts exactly: a short list aborts the process.
-        n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
-        self.agent = C.TrainingAgent(
-            self.session._sess,
-            feeds,
-            [ort_device] * n_forward,
-            fetches,
-            [ort_device] * len(fetches),
-            0,
+def _open(
+    model: bytes,
+    device: torch.device,
+    options: Options,
+    *,
+    training: bool,
+    deterministic: bool,
+    optimized_path: str | None,
+    memory: tuple[str, tuple[str, ...]] | None = None,
+) -> Any:
+    """An ``InferenceSession`` over ``model`` with ortfx's settings (one place for both kinds)."""
+    providers, _ = _providers(device)
+    so = session_options(options, training=training, deterministic=deterministic)
+    if optimized_path:
+        so.optimized_model_filepath = optimized_path
+    plan_file = None
+    if memory is not None:
+        probe, plans = memory
+        # ORT reads the plans from a JSON file while it creates the session.
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as plan_file:
+            json.dump(list(plans), plan_file)
+        so.add_session_config_entry("optimization.memory_optimizer_config", plan_file.name)
+        so.add_session_config_entry("optimization.enable_memory_probe_recompute_config", probe)
+        so.execution_order = ort.ExecutionOrder.MEMORY_EFFICIENT
+    try:
+        return _session(
+            model, so, providers, kind="training" if training else "inference", device=device
         )
-        self.session_seconds = time.perf_counter() - start
-        self.non_differentiable = frozenset(gi.output_grad_indices_non_differentiable)
-        self.full_shape = frozenset(gi.output_grad_indices_require_full_shape)
-        self.saved_outputs = tuple(gi.module_output_indices_requires_save_for_backward)
-        # Where each backward fetch goes among the autograd Function's inputs.
-        self.grad_slots = tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad)
+    finally:
+        if plan_file is not None:
+            os.unlink(plan_file.name)
+
+
+@attrs.frozen(eq=False)
+class TrainingRunner:
+    """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later.
+
+    Built by :func:`open_training`; the ORT objects inside are handles nobody rebinds.
+    """
+
+    info: PostExportProcessedModelInfo
+    session: Any
+    agent: Any
+    gradient_build_seconds: float
+    session_seconds: float
+    non_differentiable: frozenset[int]
+    full_shape: frozenset[int]
+    saved_outputs: tuple[int, ...]
+    # Where each backward fetch goes among the autograd Function's inputs.
+    grad_slots: tuple[int, ...]
+    # Set when ORT's compute optimizer failed on this graph and the build went without it.
+    compute_optimizer_failure: str | None = None
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -331,37 +277,97 @@ class TrainingRunner:
         return _to_torch(fetches)
 
 
-class InferenceRunner:
-    """A plain session over the forward graph, fed through I/O binding."""
+def open_training(
+    info: PostExportProcessedModelInfo,
+    device: torch.device,
+    options: Options,
+    *,
+    deterministic: bool,
+    save_prefix: str | None = None,
+    memory: tuple[str, tuple[str, ...]] | None = None,
+) -> TrainingRunner:
+    """Build ``info``'s gradient graph and open a training session over it.
 
-    def __init__(
-        self,
-        info: PostExportProcessedModelInfo,
-        device: torch.device,
-        options: Options,
-        *,
-        deterministic: bool,
-        save_prefix: str | None = None,
-    ) -> None:
-        require_ort()
-        self.info = info
-        start = time.perf_counter()
-        providers, _ = _providers(device)
-        so = session_options(options, training=False, deterministic=deterministic)
-        if save_prefix:
-            with open(f"{save_prefix}_execution_model_inference.onnx", "wb") as f:
-                f.write(info.model)
-            so.optimized_model_filepath = f"{save_prefix}_optimized_inference.onnx"
-        self.session = _session(
-            info.model,
-            so,
-            providers,
-            kind="inference",
-            device=device,
+    ``memory`` is (probe config, plan strings) to turn the memory optimizer on.
+    """
+    require_ort()
+    start = time.perf_counter()
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
+    config.initializer_names_to_train = list(info.params_to_train)
+    config.input_names_require_grad = list(info.user_inputs_requiring_grad)
+    config.build_gradient_graph = True
+    config.enable_caching = False
+    config.use_memory_efficient_gradient = False
+    config.loglevel = C.Severity.ERROR
+    pre_grad = f"{save_prefix}_optimized_pre_grad_training.onnx" if save_prefix else None
+    failure: str | None = None
+    try:
+        builder = _build_gradient(info.model, config, options.enable_compute_optimizer, pre_grad)
+    except Exception as e:
+        if not options.enable_compute_optimizer:
+            raise OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(e))) from e
+        # ORT 1.19's compute optimizer crashes on some graphs (e.g. logits sliced before
+        # the loss) that build fine without it.
+        failure = _first_line(e)
+        try:
+            builder = _build_gradient(info.model, config, False, pre_grad)
+        except Exception as again:
+            raise OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(again))) from again
+    gi = builder.get_graph_info()
+    gradient_model: bytes = builder.get_gradient_model()
+    gradient_build_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    if save_prefix:
+        with open(f"{save_prefix}_optimized_training.onnx", "wb") as f:
+            f.write(gradient_model)
+    session = _open(
+        gradient_model,
+        device,
+        options,
+        training=True,
+        deterministic=deterministic,
+        optimized_path=f"{save_prefix}_execution_model_training.onnx" if save_prefix else None,
+        memory=memory,
+    )
+    feeds = [*gi.user_input_names, *gi.initializer_names]
+    ours = [i.name for i in info.inputs]
+    if feeds != ours:
+        raise OrtfxInitError(
+            f"ORT orders the graph inputs as {feeds}, ortfx as {ours}; "
+            "this is an ortfx bug, please report it."
         )
-        _, self.ort_device = _providers(device)
-        self.session_seconds = time.perf_counter() - start
-        self.gradient_build_seconds = 0.0
+    fetches = [o.name for o in session.get_outputs()]
+    _, ort_device = _providers(device)
+    # The device lists must match ORT's own counts exactly: a short list aborts the process.
+    n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
+    agent = C.TrainingAgent(
+        session._sess, feeds, [ort_device] * n_forward, fetches, [ort_device] * len(fetches), 0
+    )
+    return TrainingRunner(
+        info=info,
+        session=session,
+        agent=agent,
+        gradient_build_seconds=gradient_build_seconds,
+        session_seconds=time.perf_counter() - start,
+        non_differentiable=frozenset(gi.output_grad_indices_non_differentiable),
+        full_shape=frozenset(gi.output_grad_indices_require_full_shape),
+        saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
+        grad_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad),
+        compute_optimizer_failure=failure,
+    )
+
+
+@attrs.frozen(eq=False)
+class InferenceRunner:
+    """A plain session over the forward graph, fed through I/O binding (:func:`open_inference`)."""
+
+    info: PostExportProcessedModelInfo
+    session: Any
+    ort_device: Any
+    session_seconds: float
+    gradient_build_seconds: float = 0.0
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
@@ -374,3 +380,29 @@ class InferenceRunner:
         except Exception as e:
             raise _run_failed("inference", inputs, e) from e
         return _to_torch(binding.get_outputs())
+
+
+def open_inference(
+    info: PostExportProcessedModelInfo,
+    device: torch.device,
+    options: Options,
+    *,
+    deterministic: bool,
+    save_prefix: str | None = None,
+) -> InferenceRunner:
+    """Open an inference session over ``info``'s forward graph."""
+    require_ort()
+    start = time.perf_counter()
+    if save_prefix:
+        with open(f"{save_prefix}_execution_model_inference.onnx", "wb") as f:
+            f.write(info.model)
+    session = _open(
+        info.model,
+        device,
+        options,
+        training=False,
+        deterministic=deterministic,
+        optimized_path=f"{save_prefix}_optimized_inference.onnx" if save_prefix else None,
+    )
+    _, ort_device = _providers(device)
+    return InferenceRunner(info, session, ort_device, time.perf_counter() - start)

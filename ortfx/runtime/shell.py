@@ -1,0 +1,687 @@
+"""The call path: functions ``(shell, module, args, kwargs) -> (result, new shell)``.
+
+A :class:`Shell` is the whole state of one wrapper, frozen. :func:`call` runs one forward: the
+fallback gate, then :func:`run`, a bounded loop of :func:`attempt` s; an attempt takes the fast
+path (same kind of call as the last one) or the slow one (key, decide, realize) and then
+:func:`execute` s the graph in ORT. Recoveries (a dynamic scalar found baked in, parameters
+changed behind the wrapper, the exporter switch) return :class:`Retry` with a new shell instead
+of recursing, so the bound on them is visible in :func:`run`. Nothing here mutates a shell: the
+façade (:mod:`ortfx.runtime.module`) commits the shell a call returns, or the one a failed call
+carries in :class:`CallFailed`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Hashable
+from typing import Any, TypeAlias
+
+import attrs
+import onnx
+import optree
+import torch
+
+from ortfx import io, memory, passes
+from ortfx.errors import (
+    INPUT_ON_OTHER_DEVICE,
+    NO_TRAINING_GRAPH,
+    TOO_MANY_RECOVERIES,
+    OrtfxDeviceError,
+    OrtfxError,
+    OrtfxExportError,
+    OrtfxIOError,
+    OrtfxRuntimeError,
+    OrtfxTorchModelError,
+    OrtfxWarning,
+)
+from ortfx.export import export, resolve_exporter
+from ortfx.io import STATIC_TYPES
+from ortfx.memory import MemoryPlan
+from ortfx.model_info import InputKind, PostExportProcessedModelInfo
+from ortfx.options import FallbackPolicy, Options
+from ortfx.runtime import events, logs, watch
+from ortfx.runtime.autograd import RunORT
+from ortfx.runtime.logs import WrapperLog, captured
+from ortfx.runtime.session import (
+    InferenceRunner,
+    Timings,
+    TrainingRunner,
+    open_inference,
+    open_training,
+    session_settings,
+)
+from ortfx.runtime.watch import Fingerprint, Tracked
+from ortfx.schema import ModelSchema, TensorSpec, leaf_spec, tensorize_scalars
+from ortfx.transitions import (
+    REPEATED_REEXPORT,
+    Call,
+    CallContext,
+    Decision,
+    ExportState,
+    GradState,
+    Reexport,
+    Reuse,
+    Transition,
+    apply,
+    bump_module_version,
+    count_failure,
+    count_reuse,
+    decide,
+    decision_name,
+    make_call,
+    note_fallback_call,
+    note_session,
+    replace_payload,
+    signature,
+    start_fallback,
+)
+
+VERSIONS = (torch.__version__, onnx.__version__)
+
+# At most this many recoveries (each a different cause) before a call gives up.
+MAX_RECOVERIES = 3
+
+
+@attrs.frozen
+class Compiled:
+    """The shell's artifacts for one cache entry: the processed graph and its runners.
+
+    Runners are built on first use; the new record replaces the old one in the state
+    (:func:`~ortfx.transitions.replace_payload`), so nothing in the state is changed in place.
+    """
+
+    info: PostExportProcessedModelInfo
+    timings: Timings
+    fingerprint: Fingerprint
+    training: TrainingRunner | None = None
+    inference: InferenceRunner | None = None
+    ran: bool = False  # ORT ran this graph once: a later shape failure means baked sizes
+    memory: tuple[MemoryPlan, ...] | None = None  # the recompute report, once known
+    dims: tuple[tuple[str, int], ...] = ()  # input dim name -> size when the runner was built
+
+
+@attrs.frozen
+class FastPath:
+    """What the slow path leaves for the next call: the signature it keyed on and its call."""
+
+    signature: tuple[Any, ...]
+    call: Call
+
+
+@attrs.frozen
+class Shell:
+    """The whole state of one wrapper; the façade holds exactly one and swaps it whole."""
+
+    options: Options
+    exporter: str  # the exporter in use ("auto" resolved; may be switched to "dynamo")
+    state: ExportState[Compiled]
+    tracked: Tracked | None = None
+    watched: frozenset[int] = frozenset()  # ids of the modules in the wrapped tree
+    baked: frozenset[str] = frozenset()  # dynamic scalar paths found baked into a graph
+    fast: FastPath | None = None
+    said: frozenset[str] = frozenset()  # one-time warnings already given
+
+    @classmethod
+    def create(cls, options: Options) -> Shell:
+        return cls(options, resolve_exporter(options.exporter), ExportState(options.cache_size))
+
+    @property
+    def log(self) -> WrapperLog:
+        return logs.wrapper_log(self.options.log_level)
+
+    def configured(self, options: Options, *, exporter_changed: bool) -> Shell:
+        """The shell with new options; the cache is resized, an exporter switched automatically
+        is kept unless the exporter itself is among the changes."""
+        state = self.state
+        if state.maxsize != options.cache_size:
+            state = attrs.evolve(
+                state, maxsize=options.cache_size, entries=state.entries[-options.cache_size :]
+            )
+        exporter = resolve_exporter(options.exporter) if exporter_changed else self.exporter
+        return attrs.evolve(self, options=options, exporter=exporter, state=state, fast=None)
+
+
+def invalidate(shell: Shell, cause: str) -> Shell:
+    """A new module version: every cached graph becomes unreachable; track the module again."""
+    return attrs.evolve(
+        shell, state=bump_module_version(shell.state, cause), tracked=None, fast=None
+    )
+
+
+@attrs.frozen
+class Retry:
+    """An attempt found something to repair; the next attempt starts from ``shell``."""
+
+    shell: Shell
+    cause: str
+
+
+class CallFailed(Exception):
+    """Carries a failed call's exception to the façade with the shell to commit."""
+
+    def __init__(self, error: BaseException, shell: Shell) -> None:
+        super().__init__(error)
+        self.error = error
+        self.shell = shell
+
+
+Outcome: TypeAlias = "tuple[Any, Shell] | Retry"
+
+
+# ---- fallback ----------------------------------------------------------------------------------
+
+# The fallback key of failures that no later call can fix (unsupported module, no ORT).
+ALWAYS = "every call"
+
+# Which policy flag allows falling back from which error (first match wins).
+_FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
+    (OrtfxIOError, FallbackPolicy.UNSUPPORTED_DATA),
+    (OrtfxDeviceError, FallbackPolicy.UNSUPPORTED_DEVICE),
+    (OrtfxTorchModelError, FallbackPolicy.UNSUPPORTED_TORCH_MODEL),
+    (OrtfxExportError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
+    (OrtfxRuntimeError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
+    (OrtfxError, FallbackPolicy.BAD_INITIALIZATION),
+)
+
+
+def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """What makes a call "the same" for fallback: structure, static values and tensor kinds."""
+    leaves, spec = io.flatten(io.call_tree(args, kwargs))
+    kinds = tuple(
+        leaf_spec(x) if isinstance(x, (torch.Tensor, *STATIC_TYPES)) else type(x) for x in leaves
+    )
+    return (spec, kinds)
+
+
+def fall_back(
+    shell: Shell, error: OrtfxError, *, key: Hashable, retry: bool = True, during_call: bool = True
+) -> Shell:
+    """Calls like this one run in PyTorch from now on, if the policy allows; else re-raise."""
+    flag = next(f for t, f in _FALLBACK_FLAGS if isinstance(error, t))
+    options = shell.options
+    if not options.fallback_policy.allows(flag):
+        raise error
+    reason = f"{type(error).__name__}: {str(error).rstrip('.')}"
+    later = (
+        "a call with a new input schema will try ONNX Runtime again"
+        if retry and options.fallback_retry
+        else "every later call runs in PyTorch"
+    )
+    logs.fallback(shell.log, flag, reason, later=later)
+    state = start_fallback(shell.state, key, reason, during_call=during_call)
+    return attrs.evolve(shell, state=state, fast=None)
+
+
+def _fallback_reason(shell: Shell, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    state = shell.state
+    key = ALWAYS if state.fallbacks[0][0] is ALWAYS else fallback_key(args, kwargs)
+    reason = state.fallback_reason(key)
+    if reason is None and not shell.options.fallback_retry:
+        reason = state.fallbacks[-1][1]
+    return reason
+
+
+def _in_torch(
+    shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Shell]:
+    try:
+        return module(*args, **kwargs), shell
+    except BaseException as error:
+        raise CallFailed(error, shell) from None
+
+
+# ---- one call ----------------------------------------------------------------------------------
+
+
+def call(
+    shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Shell]:
+    """Run ``module(*args, **kwargs)`` in ORT (or in PyTorch, as the fallback policy says).
+
+    Returns the result and the shell to commit; raises :class:`CallFailed` otherwise.
+    """
+    if shell.state.fallbacks:
+        reason = _fallback_reason(shell, args, kwargs)
+        if reason is not None:
+            shell = attrs.evolve(shell, state=note_fallback_call(shell.state, reason))
+            return _in_torch(shell, module, args, kwargs)
+    try:
+        return run(shell, module, args, kwargs)
+    except OrtfxError as error:
+        failed = attrs.evolve(shell, state=count_failure(shell.state))
+        try:
+            fallen = fall_back(shell, error, key=fallback_key(args, kwargs))
+        except OrtfxError:
+            raise CallFailed(error, failed) from None
+        return _in_torch(fallen, module, args, kwargs)
+    except BaseException as error:
+        raise CallFailed(error, attrs.evolve(shell, state=count_failure(shell.state))) from None
+
+
+def run(
+    shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Shell]:
+    """Attempt the call; repair and attempt again at most :data:`MAX_RECOVERIES` times."""
+    leaves, spec = io.flatten(io.call_tree(args, kwargs))
+    causes: list[str] = []
+    for _ in range(MAX_RECOVERIES + 1):
+        outcome = attempt(shell, module, args, kwargs, leaves, spec)
+        if not isinstance(outcome, Retry):
+            return outcome
+        shell = outcome.shell
+        causes.append(outcome.cause)
+    raise OrtfxRuntimeError(TOO_MANY_RECOVERIES.format(count=len(causes), causes="; ".join(causes)))
+
+
+def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
+    """The shell with a current view of the module's tensors."""
+    tracked = shell.tracked
+    if tracked is not None and tracked.replaced():
+        shell = invalidate(shell, "the parameters were replaced outside the wrapper")
+        tracked = None
+    if tracked is None or tracked.moved():
+        tracked = watch.track(module)
+        shell = attrs.evolve(shell, tracked=tracked, watched=watch.module_ids(module))
+    return shell, tracked
+
+
+def attempt(
+    shell: Shell,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leaves: list[Any],
+    spec: optree.PyTreeSpec,
+) -> Outcome:
+    shell, tracked = track(shell, module)
+    state = shell.state
+    fast = shell.fast
+    if fast is not None:
+        # Steady state: the same kind of call as the last one, whose entry is still the most
+        # recent. The signature the slow path left stands in for schema, Call and decide.
+        now = _signature(leaves, spec, module, state, tracked)
+        if now == fast.signature and state.entries and state.entries[-1].key is fast.call.key:
+            entry = state.entries[-1]
+            return execute(
+                shell, module, leaves, tracked, fast.call, entry.payload, count_reuse(state)
+            )
+    io.check_leaves(leaves, spec, root="call", where="input")
+    fed, tensorized = _tensorize(shell, leaves, spec)
+    call = make_call(fed, spec, _context(shell, module, tracked))
+    _check_input_devices(fed, call.key.schema, tracked.device)
+    decision = decide(state, call)
+    events.emit("decide", call, decision)
+    if isinstance(decision, Reuse):
+        hit = state.lookup(call.key)
+        assert hit is not None
+        compiled = hit.payload
+    else:
+        compiled = realize(shell, module, decision, call, fed, tracked, args, kwargs)
+        baked = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
+        if baked:
+            # The module turned these tensors back into Python values (range(n), if n):
+            # the graph holds the export-time value. Correctness first: make them static.
+            logs.baked_scalars(shell.log, baked)
+            return Retry(
+                attrs.evolve(shell, baked=shell.baked | set(baked), fast=None),
+                f"{', '.join(baked)} baked in",
+            )
+    new_state = apply(state, call, decision, compiled)
+    result = execute(shell, module, fed, tracked, call, compiled, new_state)
+    if isinstance(result, Retry) or shell.options.dynamic_scalars:
+        return result
+    output, after = result
+    if after.state.entries[-1].key is call.key:
+        now = _signature(leaves, spec, module, state, tracked)
+        after = attrs.evolve(after, fast=FastPath(now, call))
+    return output, after
+
+
+def _signature(
+    leaves: list[Any],
+    spec: optree.PyTreeSpec,
+    module: torch.nn.Module,
+    state: ExportState[Compiled],
+    tracked: Tracked,
+) -> tuple[Any, ...]:
+    return signature(
+        leaves,
+        spec,
+        module.training,
+        state.module_version.number,
+        tracked.requires_grad(),
+        torch.are_deterministic_algorithms_enabled(),
+        str(tracked.device),
+    )
+
+
+def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallContext:
+    options = shell.options
+    return CallContext(
+        # The user module's own flag: model.module.eval() must take effect too.
+        training=module.training,
+        module_version=shell.state.module_version,
+        export_options=options.export_options(shell.exporter),
+        versions=VERSIONS,
+        param_names=tracked.param_names,
+        params_requiring_grad=tracked.requires_grad(),
+        memory=(options.memory_opt_level, options.memory_opt_config),
+        device=str(tracked.device),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        settings=session_settings(options),
+    )
+
+
+def _tensorize(
+    shell: Shell, leaves: list[Any], spec: optree.PyTreeSpec
+) -> tuple[list[Any], tuple[int, ...]]:
+    """The leaves as fed to the graph (dynamic scalars as tensors) and which were tensorized."""
+    dynamic = frozenset(shell.options.dynamic_scalars)
+    if not dynamic:
+        return leaves, ()
+    fed = tensorize_scalars(leaves, spec, paths=dynamic)
+    if shell.baked:
+        # Leaves found baked in stay Python values (see _baked_dynamic_scalars).
+        paths = io.leaf_paths(spec, root="call")
+        fed = [leaves[i] if paths[i] in shell.baked else leaf for i, leaf in enumerate(fed)]
+    tensorized = tuple(i for i, (a, b) in enumerate(zip(leaves, fed, strict=True)) if a is not b)
+    return fed, tensorized
+
+
+def _check_input_devices(leaves: list[Any], schema: ModelSchema, device: torch.device) -> None:
+    for i, spec in enumerate(schema.leaves):
+        if isinstance(spec, TensorSpec) and leaves[i].device != device:
+            raise OrtfxDeviceError(
+                INPUT_ON_OTHER_DEVICE.format(
+                    path=schema.paths[i], given=str(leaves[i].device), expected=str(device)
+                )
+            )
+
+
+def _baked_dynamic_scalars(
+    info: PostExportProcessedModelInfo, schema: ModelSchema, tensorized: tuple[int, ...]
+) -> list[str]:
+    """Paths of scalars fed as tensors that the graph does not consume: their value was
+    turned back into a Python value while traced, and so baked in."""
+    if not tensorized:
+        return []
+    model = onnx.load_model_from_string(info.model)
+    consumed = {name for node in model.graph.node for name in node.input}
+    fed = {spec.source: spec.name for spec in info.inputs if spec.kind is InputKind.USER}
+    return [schema.paths[i] for i in tensorized if fed.get(i) not in consumed]
+
+
+# ---- realize: the effectful part of a transition -----------------------------------------------
+
+
+def realize(
+    shell: Shell,
+    module: torch.nn.Module,
+    decision: Decision,
+    call: Call,
+    leaves: list[Any],
+    tracked: Tracked,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Compiled:
+    """Export (or reuse an entry's graph for a new session); the old state stays valid if this
+    raises."""
+    assert not isinstance(decision, Reuse)
+    timings = Timings()
+    if isinstance(decision, Reexport):
+        # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
+        inspect.signature(module.forward).bind(*args, **kwargs)
+        info, timings = _export(shell, module, call, leaves)
+    else:
+        entry = shell.state.lookup(call.key)
+        assert entry is not None
+        info = entry.payload.info
+    state = shell.state
+    first = state.stats.exports == 0 and isinstance(decision, Reexport)
+    line = str(
+        Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons)
+    )
+    logs.transition(shell.log, line, timings.render() if timings.export else "")
+    return Compiled(info, timings, tracked.fingerprint())
+
+
+def _export(
+    shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
+) -> tuple[PostExportProcessedModelInfo, Timings]:
+    source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
+    log = shell.log
+    # Muted: a forward that reassigns a buffer while traced is not a module change.
+    with watch.muted(module), captured(log, "the ONNX export"):
+        exported = export(source, leaves, call.key.schema, call.key.options)
+    if exported.checkpoint_calls:
+        logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
+    if exported.tracer_warnings:
+        logs.tracer_baked(
+            log, exported.tracer_warnings, dynamic=bool(shell.options.dynamic_scalars)
+        )
+    process = passes.for_export(
+        _embedding_padding(module), frozenset(shell.options.dynamic_scalars)
+    )
+    info = process(exported.info)
+    events.emit("export", info)
+    prefix = logs.save_prefix(shell.options)
+    mode = "training" if call.key.training else "inference"
+    logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
+    logs.save_onnx(prefix, "post_processed", mode, info.model)
+    return info, Timings(export=exported.seconds)
+
+
+def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:
+    """Parameter name -> padding_idx of every nn.Embedding that has one."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {
+        names[id(m.weight)]: m.padding_idx
+        for m in module.modules()
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None
+    }
+
+
+# ---- execute: run the graph in ORT -------------------------------------------------------------
+
+
+def execute(
+    shell: Shell,
+    module: torch.nn.Module,
+    leaves: list[Any],
+    tracked: Tracked,
+    call: Call,
+    compiled: Compiled,
+    new_state: ExportState[Compiled],
+) -> Outcome:
+    """Run ORT for a decided call; the shell to commit carries ``new_state``."""
+    inputs = compiled.info.construct_inputs_flat(leaves, tracked.named_tensors)
+    needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
+    built = compiled
+    try:
+        if needs_grad:
+            if built.training is None:
+                built = _with_training_runner(shell, built, tracked.device, call, leaves)
+            outputs = RunORT.apply(built.training, *inputs)  # type: ignore[no-untyped-call]
+        else:
+            if built.inference is None:
+                built = _with_inference_runner(shell, built, tracked.device, call)
+            assert built.inference is not None
+            outputs = built.inference.run(inputs)
+    except OrtfxRuntimeError as error:
+        changed = watch.changed_tensor(compiled.fingerprint, watch.track(module).fingerprint())
+        if changed is not None:
+            # e.g. model.block.double() done on an inner module: ORT rejects the new dtype.
+            return Retry(invalidate(shell, changed), changed)
+        if not (compiled.ran and call.key.options.exporter == "torchscript"):
+            raise
+        # The graph ran before on other sizes: the tracer baked a size in. The dynamo
+        # exporter keeps sizes symbolic; switching re-exports (the log says why).
+        logs.exporter_switch(shell.log, error)
+        return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
+    if built is not compiled or not built.ran:
+        new_state = replace_payload(new_state, call.key, attrs.evolve(built, ran=True))
+    if (built.training is not compiled.training) or (built.inference is not compiled.inference):
+        new_state = note_session(new_state)
+    for path in sorted(new_state.warned - shell.state.warned):
+        warnings.warn(
+            REPEATED_REEXPORT.format(path=path, count=dict(new_state.streaks)[path]),
+            OrtfxWarning,
+            stacklevel=_user_stacklevel(),
+        )
+    said = shell.said
+    if built.training is not compiled.training and _said_ignored(shell):
+        said = said | {"memory config ignored"}
+    return compiled.info.restore_outputs(outputs), attrs.evolve(shell, state=new_state, said=said)
+
+
+def _said_ignored(shell: Shell) -> bool:
+    options = shell.options
+    return bool(options.memory_opt_level and options.memory_opt_config)
+
+
+def _input_dims(
+    info: PostExportProcessedModelInfo, leaves: list[Any]
+) -> tuple[tuple[str, int], ...]:
+    """Each user input's dim names (as exported: ``{name}_dim{d}``) with their current sizes."""
+    return tuple(
+        (f"{spec.name}_dim{d}", size)
+        for spec in info.inputs
+        if spec.kind is InputKind.USER
+        for d, size in enumerate(leaves[spec.source].shape)  # type: ignore[index]
+    )
+
+
+def _session_pipeline(grad: GradState, *, symbolic: bool) -> passes.Pass:
+    return passes.for_session(
+        frozenset(i for i, rg in enumerate(grad.inputs) if rg),
+        frozenset(n for n, rg in zip(grad.param_names, grad.params, strict=True) if rg),
+        seed=torch.initial_seed(),
+        symbolic=symbolic,
+    )
+
+
+def _with_training_runner(
+    shell: Shell, compiled: Compiled, device: torch.device, call: Call, leaves: list[Any]
+) -> Compiled:
+    options = shell.options
+    level = options.memory_opt_level
+    plans = memory.parse_config(options.memory_opt_config) if level == 0 else ()
+    info = _session_pipeline(call.grad, symbolic=bool(level or plans))(compiled.info)
+    prefix = logs.save_prefix(options)
+    dims = _input_dims(compiled.info, leaves)
+
+    def build(plans_on: tuple[str, ...] | None, probe: str) -> TrainingRunner:
+        with captured(shell.log, "the gradient build and session creation"):
+            return open_training(
+                info,
+                device,
+                options,
+                deterministic=call.session.deterministic,
+                save_prefix=prefix,
+                memory=None if plans_on is None else (probe, plans_on),
+            )
+
+    runner = build(None, "1:0")
+    report = compiled.memory
+    if level or plans:
+        # Discover the plans of this graph, choose per level (or the user's), rebuild.
+        probe = "1:1" if level else "1:0"
+        discovered = runner.memory_stat(probe)
+        enabled = memory.select(discovered, level, plans)
+        if enabled:
+            runner = build(enabled, probe)
+        report = memory.report(discovered, enabled, dict(dims))
+        logs.memory_plans(
+            shell.log,
+            options,
+            memory.render(report, level),
+            discovered,
+            plans,
+            say_ignored=_said_ignored(shell) and "memory config ignored" not in shell.said,
+        )
+    if runner.compute_optimizer_failure:
+        logs.compute_optimizer_failed(shell.log, runner.compute_optimizer_failure)
+    built = attrs.evolve(compiled, training=runner, memory=report, dims=dims)
+    _log_ready(shell, "training", built, runner, call)
+    return built
+
+
+def _with_inference_runner(
+    shell: Shell, compiled: Compiled, device: torch.device, call: Call
+) -> Compiled:
+    info = passes.seed_dropouts(torch.initial_seed())(compiled.info)
+    with captured(shell.log, "the session creation"):
+        runner = open_inference(
+            info,
+            device,
+            shell.options,
+            deterministic=call.session.deterministic,
+            save_prefix=logs.save_prefix(shell.options),
+        )
+    built = attrs.evolve(compiled, inference=runner)
+    _log_ready(shell, "inference", built, runner, call)
+    return built
+
+
+def _log_ready(
+    shell: Shell,
+    kind: str,
+    compiled: Compiled,
+    runner: TrainingRunner | InferenceRunner,
+    call: Call,
+) -> None:
+    events.emit("session", kind, runner)
+    timings = attrs.evolve(
+        compiled.timings,
+        gradient_build=runner.gradient_build_seconds,
+        session=runner.session_seconds,
+    )
+    logs.runner_ready(
+        shell.log,
+        kind,
+        timings.render(),
+        shell.options,
+        call.key.options.exporter,
+        call.session.deterministic,
+    )
+
+
+def memory_report(shell: Shell) -> tuple[tuple[MemoryPlan, ...], Shell]:
+    """The recompute plans of the most recent training graph, discovered on demand (a probe
+    session is built and dropped); the shell keeps the report for next time."""
+    for entry in reversed(shell.state.entries):
+        compiled = entry.payload
+        if compiled.training is None:
+            continue
+        if compiled.memory is not None:
+            return compiled.memory, shell
+        info = _session_pipeline(entry.grad, symbolic=True)(compiled.info)
+        probe = open_training(
+            info,
+            torch.device(entry.session.device),
+            shell.options,
+            deterministic=entry.session.deterministic,
+        )
+        report = memory.report(probe.memory_stat("1:0"), (), dict(compiled.dims))
+        state = replace_payload(shell.state, entry.key, attrs.evolve(compiled, memory=report))
+        return report, attrs.evolve(shell, state=state)
+    raise RuntimeError(NO_TRAINING_GRAPH)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside ortfx and torch."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)

@@ -1,0 +1,180 @@
+"""What the graph is built over: the module's parameters and buffers, and who changes them.
+
+:class:`Tracked` is the frozen view of the tensors one call feeds to the graph; the process-wide
+registration hooks tell a live wrapper when a parameter, buffer or submodule anywhere in its
+module tree is added or replaced, so that its graphs are rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, TypeAlias
+
+import attrs
+import torch
+
+from ortfx.errors import PARAMS_ON_SEVERAL_DEVICES, OrtfxDeviceError
+
+Fingerprint: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+
+
+def _frozen(data: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    return data if isinstance(data, _Frozen) else _Frozen(data)
+
+
+class _Frozen(Mapping[str, torch.Tensor]):
+    """A read-only name -> tensor map (the tensors themselves are the user's)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, torch.Tensor]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@attrs.frozen
+class Tracked:
+    """The module's parameters and buffers as the graph sees them; rebuilt when they change."""
+
+    param_names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    named_tensors: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
+    device: torch.device
+    # Where the first parameter lives: .to('meta') and friends replace every Parameter object
+    # without a registration hook; checking this one slot per call catches that cheaply.
+    first_slot: tuple[torch.nn.Module, str] | None = None
+
+    def replaced(self) -> bool:
+        if self.first_slot is None:
+            return False
+        owner, name = self.first_slot
+        return owner._parameters.get(name) is not self.params[0]
+
+    def moved(self) -> bool:
+        """The parameters left the device this view was taken on (``.to()`` in place)."""
+        return bool(self.params) and self.params[0].device != self.device
+
+    def fingerprint(self) -> Fingerprint:
+        """Name, dtype and shape of every parameter and buffer, as the graph was built for."""
+        return tuple((n, t.dtype, tuple(t.shape)) for n, t in self.named_tensors.items())
+
+    def requires_grad(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.params)
+
+
+def track(module: torch.nn.Module) -> Tracked:
+    """Take the view of ``module``'s tensors; all must sit on one device."""
+    params = dict(module.named_parameters())
+    named: dict[str, torch.Tensor] = {**params, **dict(module.named_buffers())}
+    devices = {t.device for t in named.values()}
+    if len(devices) > 1:
+        raise OrtfxDeviceError(
+            PARAMS_ON_SEVERAL_DEVICES.format(devices=", ".join(sorted(map(str, devices))))
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    first_slot = None
+    if params:
+        path, _, name = next(iter(params)).rpartition(".")
+        first_slot = (module.get_submodule(path), name)
+    return Tracked(tuple(params), tuple(params.values()), named, device, first_slot)
+
+
+def changed_tensor(built: Fingerprint, now: Fingerprint) -> str | None:
+    """A cause for the log if a parameter or buffer changed dtype or shape since the build."""
+    before = {name: (dtype, shape) for name, dtype, shape in built}
+    for name, dtype, shape in now:
+        if name in before and before[name] != (dtype, shape):
+            was_dtype, was_shape = before[name]
+            return (
+                f"{name!r} changed from {str(was_dtype).removeprefix('torch.')}{list(was_shape)} "
+                f"to {str(dtype).removeprefix('torch.')}{list(shape)} outside the wrapper"
+            )
+    if {n for n, _, _ in now} != set(before):
+        return "the parameters or buffers changed outside the wrapper"
+    return None
+
+
+def module_ids(module: torch.nn.Module) -> frozenset[int]:
+    """The identities of every module in ``module``'s tree (what the hooks watch)."""
+    return frozenset(map(id, module.modules()))
+
+
+# ---- the process-wide registration hooks --------------------------------------------------------
+
+
+class Watcher(Protocol):
+    """A live wrapper, as the hooks see it."""
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    def _ortfx_watches(self, module_id: int) -> bool: ...
+
+    def _ortfx_invalidate(self, cause: str) -> None: ...
+
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_HOOKS: list[Any] = []
+_HOOKS_LOCK = threading.Lock()
+_MUTED = threading.local()
+
+
+def _muted() -> dict[int, int]:
+    counts: dict[int, int] | None = getattr(_MUTED, "counts", None)
+    if counts is None:
+        counts = _MUTED.counts = {}
+    return counts
+
+
+@contextlib.contextmanager
+def muted(root: torch.nn.Module) -> Iterator[None]:
+    """The hooks stay quiet, in this thread, for wrappers of ``root``: the caller bumps the
+    version once itself (or the change is the export trace's own, e.g. a forward that
+    reassigns a buffer)."""
+    counts = _muted()
+    counts[id(root)] = counts.get(id(root), 0) + 1
+    try:
+        yield
+    finally:
+        counts[id(root)] -= 1
+        if not counts[id(root)]:
+            del counts[id(root)]
+
+
+def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Invalidate the graphs of every wrapper whose module tree contains ``module``."""
+    counts = _muted()
+    for wrapper in list(_LIVE):
+        if id(wrapper.module) in counts or not wrapper._ortfx_watches(id(module)):
+            continue
+        kind = type(value).__name__ if value is not None else "None"
+        wrapper._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
+
+
+def watch(wrapper: Watcher) -> None:
+    """Start telling ``wrapper`` about registrations in its module tree (weakly held)."""
+    # One set of global hooks for the process, registered once and never removed: removing
+    # hooks from a finalizer can run while torch iterates over them.
+    with _HOOKS_LOCK:
+        if not _HOOKS:
+            from torch.nn.modules import module as torch_module
+
+            _HOOKS.extend(
+                (
+                    torch_module.register_module_parameter_registration_hook(_on_registration),
+                    torch_module.register_module_buffer_registration_hook(_on_registration),
+                    torch_module.register_module_module_registration_hook(_on_registration),
+                )
+            )
+    _LIVE.add(wrapper)
