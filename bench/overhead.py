@@ -6,13 +6,14 @@ Measures, per training step (forward + ``loss.backward()`` + ``zero_grad``; no o
 
 1. eager PyTorch, for reference;
 2. ortfx, uninstrumented;
-3. ortfx with only ORT's own run timed (``TrainingAgent.run_forward`` / ``run_backward``
-   through a proxy on the runner's ``agent``): the difference to (2) is ortfx's Python
-   overhead, i.e. what the wrapper costs on top of ONNX Runtime itself;
-4. ortfx with every stage wrapped in a timer (flatten, check_leaves, schema, track, decide,
-   lookup, apply, construct_inputs, RunORT.apply / forward / backward, DLPack in/out, ORT run,
-   restore), reported inclusive and as an exclusive breakdown; each timer adds ~0.3 us;
-5. ``--profile``: cProfile top functions by own time, and a pyinstrument tree if installed.
+3. the same step's graph run through its training runner directly (ORT's forward and backward
+   plus the DLPack crossing; the runner comes from the ``session`` event of
+   :mod:`ortfx.runtime.events`): the difference to (2) is what the shell and torch autograd
+   cost on top of running the graph;
+4. ``--profile``: cProfile top functions by own time, and a pyinstrument tree if installed
+   (where the shell's time goes, function by function).
+
+No private name is patched: the runner is reached through the designed event seam.
 
 Results: ``bench/results/overhead-<stamp>.md`` (and ``.txt`` with the raw profiles).
 """
@@ -26,97 +27,9 @@ import pstats
 import statistics
 import sys
 import time
-import types
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 from bench import common
-
-TIMES: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # label -> [ns, calls]
-
-
-def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    clock = time.perf_counter_ns
-    slot = TIMES[label]
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = clock()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            slot[0] += clock() - t
-            slot[1] += 1
-
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapper
-
-
-class TimedAgent:
-    """Stands in for the runner's ``TrainingAgent``: times ORT's own forward and backward."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-        self.run_forward = timed("ort.run_forward", agent.run_forward)
-        self.run_backward = timed("ort.run_backward", agent.run_backward)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
-
-
-def patch_agent() -> None:
-    from ortfx.runtime import session
-
-    original = session.TrainingRunner.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        self.agent = TimedAgent(self.agent)
-
-    session.TrainingRunner.__init__ = __init__  # type: ignore[method-assign]
-
-
-def patch_stages() -> list[str]:
-    """Wrap each stage of ortfx's call path in a timer; returns the names it could not find."""
-    from ortfx import io, model_info, transitions
-    from ortfx.runtime import autograd, module, session
-
-    missing: list[str] = []
-
-    def wrap(owner: Any, attr: str, label: str, kind: str = "plain") -> None:
-        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
-        if raw is None:
-            missing.append(f"{getattr(owner, '__name__', owner)}.{attr}")
-            return
-        if kind == "static":
-            setattr(owner, attr, staticmethod(timed(label, raw.__func__)))
-        elif kind == "class":
-            setattr(owner, attr, classmethod(timed(label, raw.__func__)))
-        else:
-            setattr(owner, attr, timed(label, raw))
-
-    wrap(module.ORTModule, "_ortfx_forward", "_ortfx_forward")
-    wrap(io, "call_tree", "flatten")
-    wrap(io, "flatten", "flatten")
-    wrap(io, "check_leaves", "check_leaves")
-    wrap(module.ModelSchema, "from_flat", "schema", "class")
-    wrap(module.ORTModule, "_ortfx_tracked_now", "track")
-    wrap(module, "_check_input_devices", "check_devices")
-    wrap(module, "decide", "decide")
-    wrap(transitions.ExportState, "lookup", "lookup")
-    wrap(module, "apply", "apply")
-    wrap(model_info.PostExportProcessedModelInfo, "construct_inputs_flat", "construct_inputs")
-    wrap(model_info.PostExportProcessedModelInfo, "restore_outputs", "restore")
-    wrap(autograd.RunORT, "forward", "RunORT.forward", "static")
-    wrap(autograd.RunORT, "backward", "RunORT.backward", "static")
-    real_apply = module.RunORT.apply
-    module.RunORT = types.SimpleNamespace(apply=timed("RunORT.apply", real_apply))  # type: ignore[attr-defined]
-    wrap(session.TrainingRunner, "forward", "runner.forward")
-    wrap(session.TrainingRunner, "backward", "runner.backward")
-    wrap(session, "_to_ort", "dlpack_in")
-    wrap(session, "_to_torch", "dlpack_out")
-    patch_agent()
-    return missing
 
 
 def make(backend: str, threads: int) -> tuple[Any, Any]:
@@ -158,21 +71,50 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _runner_loop(runner: Any, inputs: tuple[Any, ...], steps: int) -> list[float]:
+    """Per-step microseconds of the graph run through ``runner`` directly (no shell/autograd)."""
+    import torch
+
+    clock = time.perf_counter_ns
+    times = []
+    for _ in range(steps):
+        t0 = clock()
+        outputs, state = runner.forward(inputs)
+        runner.backward(state, [torch.ones_like(outputs[0]) / outputs[0].numel()], [])
+        times.append((clock() - t0) / 1e3)
+    return times
+
+
+def _ortfx_with_runner(threads: int, batches: list[Any], warmup: int) -> tuple[Any, Any, Any]:
+    """The ortfx model after warm-up, its training runner and one step's graph inputs."""
+    from ortfx.runtime import events
+
+    model, _ = make("ortfx", threads)
+    with events.recording() as seen:
+        loop(model, batches, 1, warmup)
+    (runner,) = [args[1] for name, args in seen if name == "session" and args[0] == "training"]
+    (x,), _ = batches[0]
+    named = dict(model.named_parameters())
+    inputs = tuple(
+        x if spec.kind.name == "USER" else named[spec.source] for spec in runner.info.inputs
+    )
+    return model, runner, inputs
+
+
 def run_mode(mode: str, steps: int, warmup: int, threads: int) -> dict[str, Any]:
-    """One measurement in this process. ``mode``: eager, ortfx, ortfx+agent, ortfx+stages."""
+    """One measurement in this process. ``mode``: eager, ortfx, runner."""
     import torch
 
     torch.set_num_threads(threads)
-    missing: list[str] = []
-    if mode == "ortfx+agent":
-        patch_agent()
-    elif mode == "ortfx+stages":
-        missing = patch_stages()
+    if mode == "runner":
+        _, make_batch = make("eager", threads)
+        batches = [make_batch(i) for i in range(64)]
+        _, runner, inputs = _ortfx_with_runner(threads, batches, warmup)
+        times = _runner_loop(runner, inputs, steps)
+        return {"mode": mode, "step_us": med(times), "fwd_us": 0.0, "bwd_us": 0.0}
     model, make_batch = make("eager" if mode == "eager" else "ortfx", threads)
     batches = [make_batch(i) for i in range(64)]
     loop(model, batches, 1, warmup)  # export and session creation happen here
-    for slot in TIMES.values():  # the timers hold their slots: reset in place
-        slot[0] = slot[1] = 0
     fwd, bwd = loop(model, batches, steps, 0)
     return {
         "mode": mode,
@@ -180,42 +122,36 @@ def run_mode(mode: str, steps: int, warmup: int, threads: int) -> dict[str, Any]
         "bwd_us": med(bwd),
         "step_us": med([a + b for a, b in zip(fwd, bwd, strict=False)]),
         "mean_step_us": sum(fwd + bwd) / steps,
-        "times": {k: (v[0] / 1e3 / steps, v[1] / steps) for k, v in TIMES.items()},
-        "missing": missing,
     }
 
 
 def run_paired(steps: int, warmup: int, threads: int, block: int = 50) -> dict[str, Any]:
-    """Eager and ortfx (ORT run timed) in one process, alternating blocks of ``block`` steps, so
-    both see the same machine state; per-block medians, then the median over blocks."""
+    """Eager, ortfx and its runner alone in one process, alternating blocks of ``block`` steps,
+    so all see the same machine state; per-block medians, then the median over blocks."""
     import torch
 
     torch.set_num_threads(threads)
-    patch_agent()
     eager, make_batch = make("eager", threads)
-    ortfx_model, _ = make("ortfx", threads)
     batches = [make_batch(i) for i in range(64)]
+    ortfx_model, runner, inputs = _ortfx_with_runner(threads, batches, warmup)
     loop(eager, batches, 1, warmup)
-    loop(ortfx_model, batches, 1, warmup)
-    e_blocks, o_blocks, ort_blocks = [], [], []
+    e_blocks, o_blocks, r_blocks = [], [], []
     for b in range(max(1, steps // block)):
-        for which in ("e", "o") if b % 2 else ("o", "e"):
+        for which in ("e", "o", "r") if b % 2 else ("r", "o", "e"):
             if which == "e":
                 f, w = loop(eager, batches, block, 0)
                 e_blocks.append(med([x + y for x, y in zip(f, w, strict=True)]))
-            else:
-                for slot in TIMES.values():
-                    slot[0] = slot[1] = 0
+            elif which == "o":
                 f, w = loop(ortfx_model, batches, block, 0)
                 o_blocks.append(med([x + y for x, y in zip(f, w, strict=True)]))
-                ort_ns = TIMES["ort.run_forward"][0] + TIMES["ort.run_backward"][0]
-                ort_blocks.append(ort_ns / 1e3 / block)
+            else:
+                r_blocks.append(med(_runner_loop(runner, inputs, block)))
     return {
         "mode": "paired",
         "eager_us": med(e_blocks),
         "ortfx_us": med(o_blocks),
-        "ort_us": med(ort_blocks),
-        "overhead_us": med([o - r for o, r in zip(o_blocks, ort_blocks, strict=True)]),
+        "ort_us": med(r_blocks),
+        "overhead_us": med([o - r for o, r in zip(o_blocks, r_blocks, strict=True)]),
         "minus_eager_us": med([o - e for o, e in zip(o_blocks, e_blocks, strict=True)]),
     }
 
@@ -233,47 +169,6 @@ def in_subprocess(mode: str, ns: argparse.Namespace) -> dict[str, Any]:
     if out.returncode:
         raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def breakdown(t: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
-    """Exclusive microseconds per step from the inclusive timers (nesting known from the code)."""
-
-    def g(k: str) -> float:
-        return t.get(k, (0.0, 0.0))[0]
-
-    ort = g("ort.run_forward") + g("ort.run_backward")
-    rows = [
-        ("ORT TrainingAgent.run_forward", g("ort.run_forward")),
-        ("ORT TrainingAgent.run_backward", g("ort.run_backward")),
-        ("DLPack in (_to_ort, per tensor)", g("dlpack_in")),
-        ("DLPack out (_to_torch)", g("dlpack_out")),
-        (
-            "runner.forward/backward rest (OrtValueVector, run state, grads for None)",
-            g("runner.forward") + g("runner.backward") - ort - g("dlpack_in") - g("dlpack_out"),
-        ),
-        (
-            "RunORT.forward body (ctx, save_for_backward, marks)",
-            g("RunORT.forward") - g("runner.forward"),
-        ),
-        ("RunORT.backward body (result tuple)", g("RunORT.backward") - g("runner.backward")),
-        ("autograd.Function.apply machinery", g("RunORT.apply") - g("RunORT.forward")),
-        ("flatten (call_tree + optree flatten)", g("flatten")),
-        ("check_leaves", g("check_leaves")),
-        ("schema (ModelSchema.from_flat)", g("schema")),
-        ("track params + check devices", g("track") + g("check_devices")),
-        ("decide", g("decide")),
-        ("state.lookup", g("lookup")),
-        ("apply (new state)", g("apply")),
-        ("construct_inputs", g("construct_inputs")),
-        ("restore_outputs", g("restore")),
-    ]
-    accounted = sum(
-        g(k) for k in ("flatten", "check_leaves", "schema", "track", "check_devices", "decide",
-                       "lookup", "apply", "construct_inputs", "restore", "RunORT.apply")
-    )  # fmt: skip
-    rows.append(("_ortfx_forward rest (inline code: fast-path key, Call build, bookkeeping)",
-                 g("_ortfx_forward") - accounted))  # fmt: skip
-    return rows
 
 
 def profile(ns: argparse.Namespace) -> str:
@@ -332,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(run_mode(ns._mode, ns.steps, ns.warmup, ns.threads)))
         return
     mach = common.machine()
-    modes = ["eager", "ortfx", "ortfx+agent", "ortfx+stages", "paired"]
+    modes = ["eager", "ortfx", "runner", "paired"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(ns.repeats):
         for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
@@ -340,21 +235,17 @@ def main(argv: list[str] | None = None) -> None:
             results[m].append(res)
             if m == "paired":
                 print(f"repeat {r} paired        eager {res['eager_us']:.1f} us, ortfx "
-                      f"{res['ortfx_us']:.1f} us, ORT run {res['ort_us']:.1f} us",
+                      f"{res['ortfx_us']:.1f} us, runner alone {res['ort_us']:.1f} us",
                       flush=True)  # fmt: skip
                 continue
-            print(f"repeat {r} {m:13s} step {res['step_us']:8.1f} us (fwd {res['fwd_us']:.1f}, "
-                  f"bwd {res['bwd_us']:.1f})", flush=True)  # fmt: skip
+            print(f"repeat {r} {m:13s} step {res['step_us']:8.1f} us", flush=True)
 
     def stat(m: str, key: str) -> float:
         return med([x[key] for x in results[m]])
 
-    agent_ort = med([x["times"]["ort.run_forward"][0] + x["times"]["ort.run_backward"][0]
-                     for x in results["ortfx+agent"]])  # fmt: skip
-    ort_fwd = med([x["times"]["ort.run_forward"][0] for x in results["ortfx+agent"]])
-    ort_bwd = med([x["times"]["ort.run_backward"][0] for x in results["ortfx+agent"]])
     clean = stat("ortfx", "step_us")
     eager = stat("eager", "step_us")
+    runner = stat("runner", "step_us")
     lines = [
         f"# ortfx wrapper overhead ({mach['date'][:10]})",
         "",
@@ -370,40 +261,20 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---:|---:|---:|",
         f"| eager PyTorch | {stat('eager', 'fwd_us'):.1f} | {stat('eager', 'bwd_us'):.1f} "
         f"| {eager:.1f} |",
-        f"| ortfx (uninstrumented) | {stat('ortfx', 'fwd_us'):.1f} "
-        f"| {stat('ortfx', 'bwd_us'):.1f} | {clean:.1f} |",
-        f"| ORT's own run (TrainingAgent.run_forward / run_backward) | {ort_fwd:.1f} "
-        f"| {ort_bwd:.1f} | {agent_ort:.1f} |",
-        f"| **ortfx Python overhead = ortfx - ORT run** | {stat('ortfx', 'fwd_us') - ort_fwd:.1f} "
-        f"| {stat('ortfx', 'bwd_us') - ort_bwd:.1f} | **{clean - agent_ort:.1f}** |",
+        f"| ortfx | {stat('ortfx', 'fwd_us'):.1f} | {stat('ortfx', 'bwd_us'):.1f} | {clean:.1f} |",
+        f"| the graph through its runner alone (ORT + DLPack) | | | {runner:.1f} |",
+        f"| **shell + autograd overhead = ortfx - runner** | | | **{clean - runner:.1f}** |",
         f"| ortfx - eager | | | {clean - eager:.1f} |",
         "",
-        "Paired (eager and ortfx in one process, alternating blocks of 50 steps; robust to a "
-        "noisy machine; median over blocks, then over processes):",
+        "Paired (eager, ortfx and the runner alone in one process, alternating blocks of 50 "
+        "steps; robust to a noisy machine; median over blocks, then over processes):",
         "",
-        "| eager us | ortfx us | ORT run us | ortfx - ORT run us | ortfx - eager us |",
+        "| eager us | ortfx us | runner us | ortfx - runner us | ortfx - eager us |",
         "|---:|---:|---:|---:|---:|",
         f"| {stat('paired', 'eager_us'):.1f} | {stat('paired', 'ortfx_us'):.1f} "
         f"| {stat('paired', 'ort_us'):.1f} | {stat('paired', 'overhead_us'):.1f} "
         f"| {stat('paired', 'minus_eager_us'):.1f} |",
-        "",
-        "Breakdown (every stage timed; exclusive us per step, mean over steps; the timers "
-        f"themselves inflate the total to {stat('ortfx+stages', 'mean_step_us'):.1f} us):",
-        "",
-        "| stage | us/step | share |",
-        "|---|---:|---:|",
     ]
-    rows = [(name, med([dict(breakdown(x["times"]))[name] for x in results["ortfx+stages"]]))
-            for name, _ in breakdown(results["ortfx+stages"][0]["times"])]  # fmt: skip
-    total = stat("ortfx+stages", "mean_step_us")
-    accounted = sum(v for _, v in rows)
-    rows.append(("outside (nn.Module.__call__, autograd engine, grad accumulation, zero_grad)",
-                 total - accounted))  # fmt: skip
-    for name, v in sorted(rows, key=lambda r: -r[1]):
-        lines.append(f"| {name} | {v:.1f} | {100 * v / total:.0f}% |")
-    missing = results["ortfx+stages"][0]["missing"]
-    if missing:
-        lines += ["", f"Not found (not timed): {', '.join(missing)}"]
     text = "\n".join(lines) + "\n"
     stem = common.RESULTS / f"overhead-{ns.tag or common.stamp()}"
     common.RESULTS.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,19 @@ class Shell:
     def create(cls, options: Options) -> Shell:
         return cls(options, resolve_exporter(options.exporter), ExportState(options.cache_size))
 
+    def with_state(self, state: ExportState[Compiled]) -> Shell:
+        """``attrs.evolve(self, state=state)``, spelled out for the fast path."""
+        return Shell(
+            options=self.options,
+            exporter=self.exporter,
+            state=state,
+            tracked=self.tracked,
+            watched=self.watched,
+            baked=self.baked,
+            fast=self.fast,
+            said=self.said,
+        )
+
     @property
     def log(self) -> WrapperLog:
         return logs.wrapper_log(self.options.log_level)
@@ -265,8 +278,28 @@ def call(
 def run(
     shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Shell]:
-    """Attempt the call; repair and attempt again at most :data:`MAX_RECOVERIES` times."""
+    """The fast path if it applies, else attempts; repair and attempt again at most
+    :data:`MAX_RECOVERIES` times."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
+    fast, tracked, state = shell.fast, shell.tracked, shell.state
+    if (
+        fast is not None
+        and tracked is not None
+        and state.entries
+        and state.entries[-1].key is fast.call.key
+        and not tracked.replaced()
+        and not tracked.moved()
+        and fast.signature == _signature(leaves, spec, module, state, tracked)
+    ):
+        # Steady state: the same kind of call as the last one, whose entry is still the most
+        # recent. The signature the slow path left stands in for schema, Call and decide.
+        entry = state.entries[-1]
+        outcome = execute(
+            shell, module, leaves, tracked, fast.call, entry.payload, count_reuse(state)
+        )
+        if not isinstance(outcome, Retry):
+            return outcome
+        shell = outcome.shell
     causes: list[str] = []
     for _ in range(MAX_RECOVERIES + 1):
         outcome = attempt(shell, module, args, kwargs, leaves, spec)
@@ -297,18 +330,9 @@ def attempt(
     leaves: list[Any],
     spec: optree.PyTreeSpec,
 ) -> Outcome:
+    """The slow path: key, decide, realize, then execute."""
     shell, tracked = track(shell, module)
     state = shell.state
-    fast = shell.fast
-    if fast is not None:
-        # Steady state: the same kind of call as the last one, whose entry is still the most
-        # recent. The signature the slow path left stands in for schema, Call and decide.
-        now = _signature(leaves, spec, module, state, tracked)
-        if now == fast.signature and state.entries and state.entries[-1].key is fast.call.key:
-            entry = state.entries[-1]
-            return execute(
-                shell, module, leaves, tracked, fast.call, entry.payload, count_reuse(state)
-            )
     io.check_leaves(leaves, spec, root="call", where="input")
     fed, tensorized = _tensorize(shell, leaves, spec)
     call = make_call(fed, spec, _context(shell, module, tracked))
@@ -355,7 +379,7 @@ def _signature(
         state.module_version.number,
         tracked.requires_grad(),
         torch.are_deterministic_algorithms_enabled(),
-        str(tracked.device),
+        tracked.device,
     )
 
 
