@@ -9,10 +9,12 @@ from ortfx.errors import (
     OrtfxExportError,
     OrtfxInitError,
     OrtfxIOError,
+    OrtfxOutputExistsError,
     OrtfxRuntimeError,
     OrtfxTorchModelError,
     OrtfxWarning,
 )
+from ortfx.hooks import inspect_activation
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
 from ortfx.runtime.module import ORTModule, configure, explain, invalidate, memory_report, stats
@@ -30,6 +32,7 @@ __all__ = [
     "OrtfxExportError",
     "OrtfxIOError",
     "OrtfxInitError",
+    "OrtfxOutputExistsError",
     "OrtfxRuntimeError",
     "OrtfxTorchModelError",
     "OrtfxWarning",
@@ -38,6 +41,7 @@ __all__ = [
     "Transition",
     "configure",
     "explain",
+    "inspect_activation",
     "invalidate",
     "memory_report",
     "stats",

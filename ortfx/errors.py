@@ -31,6 +31,10 @@ class OrtfxRuntimeError(OrtfxError, RuntimeError):
     """ONNX Runtime failed while running a graph that was built successfully."""
 
 
+class OrtfxOutputExistsError(OrtfxError, FileExistsError):
+    """An output directory of the convergence tools (``ortfx.hooks``) already exists."""
+
+
 class OrtfxWarning(UserWarning):
     """Warnings ortfx emits: repeated re-exports, ignored settings, fallbacks."""
 
@@ -82,4 +86,9 @@ CUDA_PROVIDER_MISSING = (
     "Install the CUDA training wheel instead of the CPU one: "
     "`pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2` "
     "(needs CUDA 11.8 and cuDNN 8), or keep the module on the CPU."
+)
+
+OUTPUT_DIR_EXISTS = (
+    "the output directory {path} already exists, and writing into it would mix this run's files "
+    "with older ones. Choose a new directory, delete it, or {fix} to replace it."
 )
