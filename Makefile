@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ortfx-installed
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo convergence-demo test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m ortfx.demo
+
+# The convergence workflow (docs/convergence.md) on the demo model, with a planted divergence.
+convergence-demo: $(STAMP)
+	$(PY) -m ortfx.hooks.demo --overwrite
 
 lint: $(STAMP)
 	$(PY) -m ruff check ortfx tests property_tests bench

@@ -9,10 +9,12 @@ from ortfx.errors import (
     OrtfxExportError,
     OrtfxInitError,
     OrtfxIOError,
+    OrtfxOutputExistsError,
     OrtfxRuntimeError,
     OrtfxTorchModelError,
     OrtfxWarning,
 )
+from ortfx.hooks import inspect_activation
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
 from ortfx.runtime.module import (
@@ -38,6 +40,7 @@ __all__ = [
     "OrtfxExportError",
     "OrtfxIOError",
     "OrtfxInitError",
+    "OrtfxOutputExistsError",
     "OrtfxRuntimeError",
     "OrtfxTorchModelError",
     "OrtfxWarning",
@@ -46,6 +49,7 @@ __all__ = [
     "Transition",
     "configure",
     "explain",
+    "inspect_activation",
     "invalidate",
     "memory_report",
     "options_of",

@@ -31,6 +31,10 @@ class OrtfxRuntimeError(OrtfxError, RuntimeError):
     """ONNX Runtime failed while running a graph that was built successfully."""
 
 
+class OrtfxOutputExistsError(OrtfxError, FileExistsError):
+    """An output directory of the convergence tools (``ortfx.hooks``) already exists."""
+
+
 class OrtfxWarning(UserWarning):
     """Warnings ortfx emits: repeated re-exports, ignored settings, fallbacks."""
 
@@ -164,3 +168,8 @@ MEMORY_CONFIG_IGNORED = (
 )
 
 MEMORY_PLAN_UNMATCHED = "memory optimizer plan %s matches nothing in this graph; its plans are: %s"
+
+OUTPUT_DIR_EXISTS = (
+    "the output directory {path} already exists, and writing into it would mix this run's files "
+    "with older ones. Choose a new directory, delete it, or {fix} to replace it."
+)
