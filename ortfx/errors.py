@@ -173,3 +173,16 @@ OUTPUT_DIR_EXISTS = (
     "the output directory {path} already exists, and writing into it would mix this run's files "
     "with older ones. Choose a new directory, delete it, or {fix} to replace it."
 )
+
+INPUT_CHANGED_IN_PLACE = (
+    "input {path} requires grad and the module's forward changes it in place; ortfx runs that "
+    "change inside ONNX Runtime, where torch autograd cannot record it (PyTorch itself refuses "
+    "an in-place change of a leaf that requires grad). Clone it at the top of forward "
+    "(x = x.clone()) or pass a tensor that does not require grad."
+)
+
+OUTPUT_DTYPE_CHANGED = (
+    "ONNX Runtime returned {path} as {given}, but the module returns {expected}: ORT's CPU "
+    "training kernels do not run {expected}, and its graph computed in {given}. Train in float32 "
+    "(model.float()) or let ortfx fall back to PyTorch (the default policy does)."
+)

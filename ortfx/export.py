@@ -21,9 +21,10 @@ import os
 import random
 import re
 import time
+import types
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -32,10 +33,12 @@ import torch
 from torch.jit._trace import TracerWarning  # the public alias is untyped
 
 from ortfx import io
-from ortfx.errors import OrtfxExportError
-from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
+from ortfx.errors import OrtfxExportError, OrtfxIOError
+from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
 from ortfx.schema import ModelSchema, TensorSpec
+
+E = TypeVar("E", bound=BaseException)
 
 EXPORT_FAILED = (
     "exporting {module} to ONNX with the {exporter} exporter failed for inputs {schema}: "
@@ -138,11 +141,20 @@ def graph_name(path: str, taken: set[str]) -> str:
     return name
 
 
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by canonical name (a tied weight under its first name)."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
 class _FlatCall(torch.nn.Module):
     """Calls the user's module from flat tensors and returns flat tensor outputs.
 
     Static leaves of the call are put back from the schema; the output structure and the
-    static output leaves are recorded on the way out (the exporter runs this once).
+    static output leaves are recorded on the way out. Tensors the forward changes in place
+    (parameters, buffers, inputs: seen through their version counters, or a buffer replaced
+    by a new tensor) are returned after the user's outputs, so the graph computes their new
+    values (``updates``); an output that is an input tensor itself is noted
+    (``returned_inputs``). An exception the forward raises is kept in ``raised``.
     """
 
     def __init__(self, module: torch.nn.Module, leaves: Sequence[Any], schema: ModelSchema):
@@ -154,18 +166,145 @@ class _FlatCall(torch.nn.Module):
         self.output_schema: ModelSchema | None = None
         self.output_leaves: list[Any] = []
         self.tracer_warnings: tuple[str, ...] = ()
+        self.updates: tuple[Update, ...] = ()
+        self.returned_inputs: tuple[tuple[int, int], ...] = ()
+        self.raised: BaseException | None = None
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self._leaves)
         for pos, t in zip(self._tensor_positions, tensors, strict=True):
             leaves[pos] = t
         args, kwargs = io.unflatten(self._schema.treespec, leaves)
-        out = self.module(*args, **kwargs)
+        state = _state(self.module)
+        versions = {name: t._version for name, t in state.items()}
+        input_versions = [t._version for t in tensors]
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException as e:
+            self.raised = e
+            raise
         out_leaves, out_spec = io.flatten(out)
         io.check_leaves(out_leaves, out_spec, root="output", where="output")
         self.output_schema = ModelSchema.from_flat(out_leaves, out_spec, root="output")
         self.output_leaves = out_leaves
-        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        by_id = {id(t): pos for pos, t in zip(self._tensor_positions, tensors, strict=True)}
+        self.returned_inputs = tuple(
+            (k, by_id[id(x)]) for k, x in enumerate(outputs) if id(x) in by_id
+        )
+        after = _state(self.module)
+        updates: list[Update] = []
+        extra: list[torch.Tensor] = []
+        for name, t in after.items():
+            if name in state and (state[name] is not t or t._version != versions[name]):
+                updates.append(Update("state", name))
+                extra.append(t)
+        for pos, t, version in zip(self._tensor_positions, tensors, input_versions, strict=True):
+            if t._version != version:
+                updates.append(Update("input", pos))
+                extra.append(t)
+        self.updates = tuple(updates)
+        return (*outputs, *extra)
+
+
+def _batch_norm_train(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` in train mode with the running statistics updated by explicit
+    tensor ops, which the exporter keeps in the graph (its own BatchNormalization would update
+    them with the biased variance, and ``momentum=None`` is a Python value computed from
+    ``num_batches_tracked``, which a trace would bake in)."""
+    assert self.num_batches_tracked is not None
+    self.num_batches_tracked.add_(1)
+    factor = (1.0 / self.num_batches_tracked) if self.momentum is None else self.momentum
+    dims = [0, *range(2, x.dim())]
+    self.running_mean.mul_(1 - factor).add_(x.mean(dims) * factor)
+    self.running_var.mul_(1 - factor).add_(x.var(dims, unbiased=True) * factor)
+    channels = x.shape[1]
+    # Placeholder statistics: in training mode the output uses the batch's own.
+    mean, var = torch.zeros(channels, dtype=x.dtype), torch.ones(channels, dtype=x.dtype)
+    out: torch.Tensor = torch.nn.functional.batch_norm(
+        x, mean, var, self.weight, self.bias, True, 0.0, self.eps
+    )
+    return out
+
+
+def _batch_norm_eval(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` with running statistics, as plain arithmetic: ORT's training
+    graph turns a BatchNormalization node into its training form, which would normalize an
+    eval-mode call with gradients by the batch's statistics instead of the running ones."""
+    shape = [1, -1, *([1] * (x.dim() - 2))]
+    scale = torch.rsqrt(self.running_var + self.eps)
+    y: torch.Tensor = (x - self.running_mean.reshape(shape)) * scale.reshape(shape)
+    if self.weight is not None:
+        y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+    return y
+
+
+@contextlib.contextmanager
+def batch_norm_updates_in_graph(module: torch.nn.Module) -> Iterator[None]:
+    """Export each BatchNorm with running statistics through :func:`_batch_norm_train` (train
+    mode) or :func:`_batch_norm_eval` (eval mode); set on the instances for the export only, so
+    other modules and threads are untouched."""
+    from torch.nn.modules.batchnorm import _BatchNorm  # the base class is private
+
+    patched = [
+        m
+        for m in module.modules()
+        if type(m).forward is _BatchNorm.forward
+        and m.running_mean is not None
+        and (m.track_running_stats or not m.training)
+        and "forward" not in vars(m)
+    ]
+    for m in patched:
+        body = _batch_norm_train if m.training else _batch_norm_eval
+        m.forward = types.MethodType(body, m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+PARAMETER_CHANGED_IN_EXPORT = (
+    "the forward of {module} changes parameter {name!r} in place (e.g. under torch.no_grad()); "
+    "ortfx ran that forward once to export it, and the graph applies the change again on every "
+    "call, so the parameter would be changed twice on this call. ortfx put back its value from "
+    "before the export where it could not: make the change outside forward (e.g. after "
+    "optimizer.step()), or call the module outside ortfx."
+)
+
+
+@contextlib.contextmanager
+def state_preserved(module: torch.nn.Module) -> Iterator[None]:
+    """Export runs the forward: buffers it changes (in place or by replacing the tensor) are
+    put back afterwards, so export never changes the module. Parameters are not copied (that
+    would double a large model's memory at export): one changed in place raises."""
+    buffers = [
+        (m, name, t, t._version, t.detach().clone())
+        for m in module.modules()
+        for name, t in m._buffers.items()
+        if t is not None
+    ]
+    params = [
+        (m, name, p, p._version)
+        for m in module.modules()
+        for name, p in m._parameters.items()
+        if p is not None
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, t, version, saved in buffers:
+                m._buffers[name] = t
+                if t._version != version:
+                    t.copy_(saved)
+            for m, name, p, _ in params:
+                m._parameters[name] = p
+    changed = [n for m, n, p, version in params if p._version != version]
+    if changed:
+        raise OrtfxExportError(
+            PARAMETER_CHANGED_IN_EXPORT.format(module=type(module).__name__, name=changed[0])
+        )
 
 
 def _parameter_sources(module: torch.nn.Module) -> dict[str, tuple[InputKind, str]]:
@@ -266,6 +405,40 @@ def _export_dynamo(
     return onnx_program.model_proto
 
 
+def _in_chain(error: BaseException, kind: type[E]) -> E | None:
+    """The first exception of type ``kind`` in ``error``'s cause/context chain."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def raise_if_pytorch_raises(
+    module: torch.nn.Module, leaves: Sequence[Any], schema: ModelSchema
+) -> None:
+    """The forward raised while traced, or ORT could not run a call. If the call raises in
+    plain PyTorch too, the exception is the input's or the user's (a check in their forward, a
+    shape PyTorch rejects): raise PyTorch's own, with its type and message, instead of an
+    export or run failure, so that nothing (fallback, exporter) changes for later calls."""
+    tensor_leaves = list(leaves)
+    for i in schema.tensor_indices():
+        tensor_leaves[i] = leaves[i].detach().clone()
+    args, kwargs = io.unflatten(schema.treespec, tensor_leaves)
+    try:
+        with preserved_random_state(), state_preserved(module), torch.no_grad():
+            module(*args, **kwargs)
+    except Exception as eager:
+        eager.add_note(
+            "ortfx: the module raises this in plain PyTorch too, so ortfx neither falls back "
+            "nor switches exporters for it."
+        )
+        raise eager.with_traceback(eager.__traceback__) from None
+
+
 def export(
     module: torch.nn.Module,
     leaves: Sequence[Any],
@@ -281,15 +454,28 @@ def export(
     taken: set[str] = set()
     positions = schema.tensor_indices()
     input_names = [graph_name(schema.paths[i], taken) for i in positions]
-    tensors = tuple(leaves[i].detach() for i in positions)
+    # Clones: the forward may change its inputs in place, and export must not touch the
+    # caller's tensors (the graph's run does, as PyTorch would).
+    tensors = tuple(leaves[i].detach().clone() for i in positions)
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
     try:
-        with preserved_random_state(), torch.no_grad(), checkpoints_traced_directly() as calls:
+        with (
+            preserved_random_state(),
+            state_preserved(module),
+            batch_norm_updates_in_graph(module),
+            torch.no_grad(),
+            checkpoints_traced_directly() as calls,
+        ):
             model = exporter(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:
         raise
     except Exception as e:
+        unsupported = _in_chain(e, OrtfxIOError)
+        if unsupported is not None:
+            raise unsupported from None  # data ortfx cannot carry: the data policy decides
+        if flat.raised is not None:
+            raise_if_pytorch_raises(module, leaves, schema)
         other = "dynamo" if options.exporter == "torchscript" else "torchscript"
         rendered = ", ".join(
             f"{p}: {s.render()}" for p, s in zip(schema.paths, schema.leaves, strict=True)
@@ -330,11 +516,14 @@ def export(
         input_schema=schema,
         output_schema=flat.output_schema,
         output_names=output_names,
+        updates=flat.updates,
+        returned_inputs=flat.returned_inputs,
     )
     tensor_outputs = [s for s in flat.output_schema.leaves if isinstance(s, TensorSpec)]
-    if len(tensor_outputs) != len(output_names):
+    if len(tensor_outputs) + len(flat.updates) != len(output_names):
         raise OrtfxExportError(
-            f"the module returned {len(tensor_outputs)} tensors but the exported graph has "
-            f"{len(output_names)} outputs; this is an ortfx bug, please report it."
+            f"the module returned {len(tensor_outputs)} tensors and changed "
+            f"{len(flat.updates)} in place, but the exported graph has {len(output_names)} "
+            "outputs; this is an ortfx bug, please report it."
         )
     return Exported(info, time.perf_counter() - start, calls[0], flat.tracer_warnings)

@@ -36,6 +36,19 @@ class InputSpec:
 
 
 @attrs.frozen
+class Update:
+    """A graph output that is the new value of a tensor the forward changed in place.
+
+    ``target`` is a parameter or buffer name (``kind`` "state") or a flat input leaf index
+    (``kind`` "input"). After each run the shell copies the value into that tensor, so the
+    module's state and the caller's tensors change exactly as they would in PyTorch.
+    """
+
+    kind: str
+    target: str | int
+
+
+@attrs.frozen
 class PostExportProcessedModelInfo:
     """A processed ONNX model and everything needed to feed it and read it back.
 
@@ -50,6 +63,15 @@ class PostExportProcessedModelInfo:
     output_schema: ModelSchema
     output_names: tuple[str, ...]
     dynamic_scalars: frozenset[str] = frozenset()
+    # The last len(updates) graph outputs are in-place changes to copy back (see Update).
+    updates: tuple[Update, ...] = ()
+    # (tensor output position, input leaf index) of outputs that are the caller's own input
+    # tensor returned as is: PyTorch returns that very object.
+    returned_inputs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def n_user_outputs(self) -> int:
+        return len(self.output_names) - len(self.updates)
 
     @property
     def user_inputs_requiring_grad(self) -> tuple[str, ...]:
@@ -87,14 +109,22 @@ class PostExportProcessedModelInfo:
             for i in self.inputs
         )
 
-    def restore_outputs(self, flat: Sequence[torch.Tensor], /) -> Any:
-        """The user's output structure from the graph's outputs (in ``output_names`` order)."""
+    def restore_outputs(
+        self, flat: Sequence[torch.Tensor], /, leaves: Sequence[Any] | None = None
+    ) -> Any:
+        """The user's output structure from the graph's outputs (in ``output_names`` order;
+        the trailing update outputs are ignored). With the call's ``leaves``, an output that
+        is a returned input is that input object itself."""
         if len(flat) != len(self.output_names):
             raise ValueError(
                 f"restore_outputs needs the {len(self.output_names)} graph outputs "
                 f"{self.output_names}, got {len(flat)} tensors"
             )
-        tensors = iter(flat)
+        user = list(flat[: self.n_user_outputs])
+        if leaves is not None:
+            for position, leaf in self.returned_inputs:
+                user[position] = leaves[leaf]
+        tensors = iter(user)
         leaves = [
             s.value if isinstance(s, StaticSpec) else next(tensors)
             for s in self.output_schema.leaves

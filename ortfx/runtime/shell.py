@@ -17,7 +17,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -27,8 +27,10 @@ import torch
 
 from ortfx import io, memory, passes
 from ortfx.errors import (
+    INPUT_CHANGED_IN_PLACE,
     INPUT_ON_OTHER_DEVICE,
     NO_TRAINING_GRAPH,
+    OUTPUT_DTYPE_CHANGED,
     TOO_MANY_RECOVERIES,
     OrtfxDeviceError,
     OrtfxError,
@@ -38,7 +40,7 @@ from ortfx.errors import (
     OrtfxTorchModelError,
     OrtfxWarning,
 )
-from ortfx.export import export, resolve_exporter
+from ortfx.export import export, raise_if_pytorch_raises, resolve_exporter
 from ortfx.io import STATIC_TYPES
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -522,7 +524,10 @@ def execute(
     new_state: ExportState[Compiled],
 ) -> Outcome:
     """Run ORT for a decided call; the shell to commit carries ``new_state``."""
-    inputs = compiled.info.construct_inputs_flat(leaves, tracked.named_tensors)
+    info = compiled.info
+    if info.updates:
+        _check_updated_inputs(info, leaves, call)
+    inputs = info.construct_inputs_flat(leaves, tracked.named_tensors)
     needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
     built = compiled
     try:
@@ -540,12 +545,19 @@ def execute(
         if changed is not None:
             # e.g. model.block.double() done on an inner module: ORT rejects the new dtype.
             return Retry(invalidate(shell, changed), changed)
+        # A call PyTorch rejects too (a wrong width, a user check) is the input's fault: its
+        # own exception, and no fallback or exporter switch for later, different calls.
+        raise_if_pytorch_raises(module, leaves, call.key.schema)
         if not (compiled.ran and call.key.options.exporter == "torchscript"):
             raise
         # The graph ran before on other sizes: the tracer baked a size in. The dynamo
         # exporter keeps sizes symbolic; switching re-exports (the log says why).
         logs.exporter_switch(shell.log, error)
         return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
+    if not built.ran:
+        _check_output_dtypes(info, outputs)
+    if info.updates:
+        _copy_back(info, outputs, leaves, tracked)
     if built is not compiled or not built.ran:
         new_state = replace_payload(new_state, call.key, attrs.evolve(built, ran=True))
     if (built.training is not compiled.training) or (built.inference is not compiled.inference):
@@ -560,6 +572,52 @@ def execute(
     if built.training is not compiled.training and _said_ignored(shell):
         said = said | {"memory config ignored"}
     return compiled.info.restore_outputs(outputs), attrs.evolve(shell, state=new_state, said=said)
+
+
+def _check_updated_inputs(
+    info: PostExportProcessedModelInfo, leaves: list[Any], call: Call
+) -> None:
+    """An input the forward changes in place must not require grad (PyTorch raises for a leaf;
+    for a non-leaf, autograd would have to see the in-place op, which runs inside ORT)."""
+    for update in info.updates:
+        if update.kind == "input" and leaves[update.target].requires_grad:  # type: ignore[index]
+            path = call.key.schema.paths[update.target]  # type: ignore[index]
+            raise OrtfxIOError(INPUT_CHANGED_IN_PLACE.format(path=path))
+
+
+def _copy_back(
+    info: PostExportProcessedModelInfo,
+    outputs: Sequence[torch.Tensor],
+    leaves: list[Any],
+    tracked: Tracked,
+) -> None:
+    """Write the forward's in-place changes into the module's tensors and the caller's."""
+    new = outputs[info.n_user_outputs :]
+    with torch.no_grad():
+        for update, value in zip(info.updates, new, strict=True):
+            target = (
+                tracked.named_tensors[update.target]  # type: ignore[index]
+                if update.kind == "state"
+                else leaves[update.target]  # type: ignore[index]
+            )
+            target.copy_(value)
+
+
+def _check_output_dtypes(
+    info: PostExportProcessedModelInfo, outputs: Sequence[torch.Tensor]
+) -> None:
+    """ORT must return each output in the dtype the module returns (checked once per runner:
+    e.g. ORT's CPU training graph hands float16 outputs back as float32)."""
+    specs = [s for s in info.output_schema.leaves if isinstance(s, TensorSpec)]
+    for k, (spec, out) in enumerate(zip(specs, outputs, strict=False)):
+        if out.dtype != spec.dtype:
+            raise OrtfxRuntimeError(
+                OUTPUT_DTYPE_CHANGED.format(
+                    path=info.output_schema.paths[info.output_schema.tensor_indices()[k]],
+                    expected=str(spec.dtype).removeprefix("torch."),
+                    given=str(out.dtype).removeprefix("torch."),
+                )
+            )
 
 
 def _said_ignored(shell: Shell) -> bool:
