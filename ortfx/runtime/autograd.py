@@ -26,10 +26,13 @@ class RunORT(torch.autograd.Function):
         frozen = [outputs[k] for k in runner.non_differentiable]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
-        if runner.saved_outputs:
-            # ORT's backward reads these outputs: saving them makes torch raise on in-place
-            # modification, as it would for the eager op.
-            ctx.save_for_backward(*(outputs[k] for k in runner.saved_outputs))
+        # ORT's backward reads these inputs (the weights, the activations it was fed) and
+        # outputs: saving them makes torch raise on an in-place change between forward and
+        # backward (e.g. optimizer.step() in between), as it would for the eager ops.
+        ctx.save_for_backward(
+            *(inputs[k] for k in runner.guarded_inputs),
+            *(outputs[k] for k in runner.saved_outputs),
+        )
         return tuple(outputs)
 
     @staticmethod

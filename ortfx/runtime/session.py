@@ -231,6 +231,9 @@ class TrainingRunner:
     saved_outputs: tuple[int, ...]
     # Where each backward fetch goes among the autograd Function's inputs.
     grad_slots: tuple[int, ...]
+    # Graph inputs whose in-place change before backward must raise (all but the tensors the
+    # graph itself updates, which ortfx writes right after the forward).
+    guarded_inputs: tuple[int, ...] = ()
     # Set when ORT's compute optimizer failed on this graph and the build went without it.
     compute_optimizer_failure: str | None = None
 
@@ -275,6 +278,16 @@ class TrainingRunner:
         except Exception as e:
             raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
         return _to_torch(fetches)
+
+
+def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
+    updated = {(u.kind == "input", u.target) for u in info.updates}
+    return tuple(
+        k
+        for k, spec in enumerate(info.inputs)
+        if spec.kind is not InputKind.INTERNAL
+        and (spec.kind is InputKind.USER, spec.source) not in updated
+    )
 
 
 def open_training(
@@ -355,6 +368,7 @@ def open_training(
         full_shape=frozenset(gi.output_grad_indices_require_full_shape),
         saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
         grad_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad),
+        guarded_inputs=_guarded_inputs(info),
         compute_optimizer_failure=failure,
     )
 

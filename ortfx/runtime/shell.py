@@ -562,16 +562,17 @@ def execute(
         new_state = replace_payload(new_state, call.key, attrs.evolve(built, ran=True))
     if (built.training is not compiled.training) or (built.inference is not compiled.inference):
         new_state = note_session(new_state)
-    for path in sorted(new_state.warned - shell.state.warned):
-        warnings.warn(
-            REPEATED_REEXPORT.format(path=path, count=dict(new_state.streaks)[path]),
-            OrtfxWarning,
-            stacklevel=_user_stacklevel(),
-        )
-    said = shell.said
+    if new_state.warned is not shell.state.warned:
+        for path in sorted(new_state.warned - shell.state.warned):
+            warnings.warn(
+                REPEATED_REEXPORT.format(path=path, count=dict(new_state.streaks)[path]),
+                OrtfxWarning,
+                stacklevel=_user_stacklevel(),
+            )
+    after = shell.with_state(new_state)
     if built.training is not compiled.training and _said_ignored(shell):
-        said = said | {"memory config ignored"}
-    return compiled.info.restore_outputs(outputs), attrs.evolve(shell, state=new_state, said=said)
+        after = attrs.evolve(after, said=after.said | {"memory config ignored"})
+    return info.restore_outputs(outputs, leaves), after
 
 
 def _check_updated_inputs(

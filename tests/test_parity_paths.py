@@ -1,0 +1,308 @@
+"""Parity with PyTorch on everyday paths where a difference would be silent: buffers the forward
+updates, in-place changes to inputs, stale parameters, dtypes, the user's own exceptions,
+unsupported outputs, ``None`` and returned inputs. All under ``FALLBACK_DISABLE``: a fallback
+must not hide a difference. Tolerances: 1e-6 absolute on float32 values unless stated."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from tests.models import max_diff
+
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+
+
+def _strict(model: nn.Module) -> ortfx.ORTModule:
+    return ortfx.ORTModule(model, options=STRICT)
+
+
+def _assert_state_equal(a: nn.Module, b: nn.Module, tol: float = 1e-6) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        assert max_diff(sa[k].double(), sb[k].double()) <= tol, k
+
+
+class ConvBN(nn.Module):
+    def __init__(self, momentum: float | None, dims: int = 2) -> None:
+        super().__init__()
+        conv = nn.Conv2d if dims == 2 else nn.Conv1d
+        bn = nn.BatchNorm2d if dims == 2 else nn.BatchNorm1d
+        self.conv = conv(3, 4, 3)
+        self.bn = bn(4, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)).relu().mean()
+
+
+class StatefulBuffers(nn.Module):
+    """An EMA updated in place and a step counter replaced by a new tensor each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.ema.mul_(0.9).add_(0.1 * y.detach().mean(0))
+        self.steps = self.steps + 1
+        return y.square().mean()
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda: ConvBN(0.1), (4, 3, 8, 8)),
+        (lambda: ConvBN(None), (4, 3, 8, 8)),  # cumulative average: factor 1/num_batches
+        (lambda: ConvBN(0.3, dims=1), (4, 3, 10)),
+        (StatefulBuffers, (5, 4)),
+    ],
+    ids=["bn2d", "bn2d-momentum-none", "bn1d", "user-buffers"],
+)
+def test_buffers_updated_in_forward_end_each_step_as_in_pytorch(make: Any, shape: Any) -> None:
+    torch.manual_seed(0)
+    eager = make()
+    wrapped = _strict(copy.deepcopy(eager))
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_w = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(*shape)
+        le, lw = eager(x), wrapped(x)
+        assert max_diff(le, lw) <= 1e-5, step
+        le.backward()
+        lw.backward()
+        opt_e.step()
+        opt_w.step()
+        opt_e.zero_grad()
+        opt_w.zero_grad()
+        _assert_state_equal(
+            eager, wrapped.module, tol=1e-5
+        )  # after every step, not only at the end
+    eager.eval()
+    wrapped.eval()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        assert max_diff(eager(x), wrapped(x)) <= 1e-5
+    assert ortfx.stats(wrapped).exports == 2  # train, then eval
+
+
+def test_the_exporting_call_updates_buffers_exactly_once() -> None:
+    torch.manual_seed(0)
+    eager = StatefulBuffers()
+    wrapped = _strict(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        wrapped(x)  # exports (runs the forward once) and runs the graph
+        eager(x)
+    assert wrapped.module.steps.item() == 1
+    _assert_state_equal(eager, wrapped.module)
+
+
+def test_eval_mode_batchnorm_with_gradients_uses_running_statistics() -> None:
+    torch.manual_seed(0)
+    eager = ConvBN(0.1)
+    eager.bn.running_mean.uniform_(-1, 1)
+    eager.bn.running_var.uniform_(0.5, 2)
+    eager.eval()
+    wrapped = _strict(copy.deepcopy(eager))
+    x = torch.randn(2, 3, 8, 8)
+    xe, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+    le, lw = eager(xe), wrapped(xw)  # a validation loop without no_grad
+    assert max_diff(le, lw) <= 1e-6
+    le.backward()
+    lw.backward()
+    assert max_diff(xe.grad, xw.grad) <= 1e-6
+    for (name, p), q in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+        assert max_diff(p.grad, q.grad) <= 1e-5, name
+
+
+class ScalesInputInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.fc(x)
+
+
+def test_in_place_change_of_an_input_matches_pytorch_on_every_call() -> None:
+    torch.manual_seed(0)
+    eager = ScalesInputInPlace()
+    wrapped = _strict(copy.deepcopy(eager))
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        xe, xw = x.clone(), x.clone()
+        ye, yw = eager(xe), wrapped(xw)
+        assert max_diff(ye, yw) <= 1e-6  # fc(2x), also on the first (exporting) call
+        assert torch.equal(xe, xw)  # the caller's tensor is doubled once, as in PyTorch
+        assert torch.equal(xw, x * 2)
+
+
+def test_in_place_change_of_an_input_that_requires_grad_is_a_clear_error() -> None:
+    wrapped = _strict(ScalesInputInPlace())
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(ortfx.OrtfxIOError) as info:
+        wrapped(x)
+    assert str(info.value).startswith(
+        "input args[0] requires grad and the module's forward changes it in place"
+    )
+    assert torch.equal(x, x.detach())  # untouched
+    assert max_diff(wrapped(torch.ones(1, 4)), wrapped.module.fc(torch.ones(1, 4) * 2)) <= 1e-6
+
+
+def test_stale_parameters_raise_like_pytorch() -> None:
+    """out = model(x); optimizer.step(); out.backward(): the weights ORT's backward would read
+    changed in place; PyTorch raises, so must ortfx."""
+    for model in (nn.Linear(4, 4), _strict(nn.Linear(4, 4))):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(2, 4, requires_grad=True)
+        out = model(x)
+        out.sum().backward(retain_graph=model.__class__ is nn.Linear)
+        opt.step()
+        out2 = model(x)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out2.sum().backward()
+
+
+def test_half_model_outputs_keep_their_dtype_or_raise() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).half()
+    x = torch.randn(3, 4).half()
+    with torch.no_grad():
+        assert _strict(copy.deepcopy(model))(x).dtype == torch.float16
+    with pytest.raises(ortfx.OrtfxRuntimeError, match="returned output as float32, but the module"):
+        _strict(copy.deepcopy(model))(x)
+    # The default policy falls back: the numbers are PyTorch's, in PyTorch's dtype.
+    wrapped = ortfx.ORTModule(copy.deepcopy(model))
+    with _quiet():
+        y = wrapped(x)
+    assert y.dtype == torch.float16 and torch.equal(y, model(x))
+
+
+class _quiet:
+    """The fallback's WARNING line is expected here; keep it out of the test output."""
+
+    def __enter__(self) -> None:
+        logging.getLogger("ortfx").disabled = True
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("ortfx").disabled = False
+
+
+class UserChecks(nn.Module):
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.error = error
+
+    def forward(self, x: torch.Tensor, check: bool = False) -> torch.Tensor:
+        if check:
+            raise self.error("the user's check failed: bad batch")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyError, TypeError, AssertionError])
+@pytest.mark.parametrize("policy", [ortfx.FallbackPolicy.DISABLE, None])
+def test_the_users_own_exception_reaches_the_user(error: type[Exception], policy: Any) -> None:
+    options = ortfx.Options(fallback_policy=policy) if policy is not None else ortfx.Options()
+    wrapped = ortfx.ORTModule(UserChecks(error), options=options)
+    x = torch.randn(2, 4)
+    with pytest.raises(error, match="the user's check failed: bad batch") as info:
+        wrapped(x, check=True)
+    assert type(info.value) is error
+    assert not isinstance(info.value, ortfx.OrtfxError)
+    s = ortfx.stats(wrapped)
+    assert (s.fallback_calls, s.failed_calls) == (0, 1)
+    assert "exporter='torchscript'" in repr(wrapped)  # no exporter switch
+    assert max_diff(wrapped(x), wrapped.module(x)) <= 1e-6  # the next call runs in ORT
+    assert ortfx.stats(wrapped).exports == 1
+
+
+def test_pytorchs_own_argument_checks_keep_their_type() -> None:
+    wrapped = _strict(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        wrapped(torch.randn(2, 5))
+    assert not isinstance(info.value, ortfx.OrtfxError)
+    assert max_diff(wrapped(torch.ones(2, 4)), wrapped.module(torch.ones(2, 4))) <= 1e-6
+    assert "exporter='torchscript'" in repr(wrapped)
+
+
+class Box:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class ReturnsBox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return {"out": Box(self.lin(x))}
+
+
+def test_an_unsupported_output_type_is_an_io_error_governed_by_the_data_policy() -> None:
+    with pytest.raises(ortfx.OrtfxIOError) as info:
+        _strict(ReturnsBox())(torch.randn(2, 4))
+    assert "output['out'] has type" in str(info.value) and "Box" in str(info.value)
+    data_only = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.UNSUPPORTED_DATA)
+    wrapped = ortfx.ORTModule(ReturnsBox(), options=data_only)
+    with _quiet():
+        out = wrapped(torch.randn(2, 4))
+    assert isinstance(out["out"], Box)
+    assert ortfx.stats(wrapped).fallback_calls == 1
+
+
+class ReturnsNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.seen += x.sum()
+
+
+def test_a_forward_returning_none_returns_none() -> None:
+    eager = ReturnsNone()
+    wrapped = _strict(copy.deepcopy(eager))
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        assert wrapped(x) is None and eager(x) is None
+    assert max_diff(eager.seen, wrapped.module.seen) <= 1e-5
+
+
+@dataclasses.dataclass
+class Pair:
+    kept: torch.Tensor
+    made: torch.Tensor
+
+
+class ReturnsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> Pair:
+        return Pair(mask, self.lin(x))
+
+
+def test_a_returned_input_is_the_callers_tensor_itself() -> None:
+    wrapped = _strict(ReturnsInput())
+    for grad in (False, True):
+        x, mask = torch.randn(2, 4, requires_grad=grad), torch.ones(2, dtype=torch.bool)
+        out = wrapped(x, mask)
+        assert out.kept is mask
+        assert max_diff(out.made, wrapped.module.lin(x)) <= 1e-6
