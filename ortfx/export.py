@@ -16,6 +16,7 @@ Two exporters sit behind :func:`export`:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io as _io
 import os
 import random
@@ -29,7 +30,6 @@ import attrs
 import numpy as np
 import onnx
 import torch
-from torch.jit._trace import TracerWarning  # the public alias is untyped
 
 from ortfx import io
 from ortfx.errors import OrtfxExportError
@@ -49,18 +49,31 @@ DYNAMO_NEEDS_ONNXSCRIPT = (
 )
 
 NO_TORCHSCRIPT_EXPORTER = (
-    "this torch ({version}) no longer ships the TorchScript ONNX exporter "
-    "(torch.onnx.export(..., dynamo=False)); ortfx switches to the dynamo exporter."
+    "Options(exporter='torchscript') was requested, but this torch ({version}) no longer ships "
+    "the TorchScript ONNX exporter (torch.jit tracing and torch.onnx.export(..., dynamo=False)). "
+    "Use Options(exporter='dynamo'), or 'auto', which picks dynamo on this torch."
 )
 
 
 def torchscript_available() -> bool:
     """Whether this torch still ships the TorchScript exporter (moved in 2.9, deprecated)."""
     try:
-        import torch.onnx._internal.torchscript_exporter
+        _tracer_warning()
+        importlib.import_module("torch.onnx._internal.torchscript_exporter")
     except ImportError:
-        return hasattr(torch.onnx, "utils") and hasattr(torch.onnx.utils, "_export")
+        try:  # before torch 2.9 the exporter lived in torch.onnx.utils
+            return hasattr(importlib.import_module("torch.onnx.utils"), "_export")
+        except ImportError:
+            return False
     return True
+
+
+def _tracer_warning() -> type[Warning]:
+    """TorchScript's TracerWarning, imported on use: ``import ortfx`` must survive a torch
+    without TorchScript, where the dynamo exporter takes over."""
+    from torch.jit._trace import TracerWarning  # the public alias is untyped
+
+    return TracerWarning
 
 
 def resolve_exporter(requested: str) -> str:
@@ -187,6 +200,10 @@ def _export_torchscript(
     input_names: list[str],
     opset: int,
 ) -> onnx.ModelProto:
+    try:
+        tracer_warning = _tracer_warning()
+    except ImportError as e:
+        raise OrtfxExportError(NO_TORCHSCRIPT_EXPORTER.format(version=torch.__version__)) from e
     buffer = _io.BytesIO()
     dynamic_axes = {
         name: {d: f"{name}_dim{d}" for d in range(t.dim())}
@@ -196,7 +213,7 @@ def _export_torchscript(
         # The exporter is deprecated and warns on every trace: silence that. TracerWarnings
         # (a tensor turned into a Python value, baked into the graph) are kept for the log.
         warnings.simplefilter("ignore")
-        warnings.simplefilter("always", TracerWarning)
+        warnings.simplefilter("always", tracer_warning)
         torch.onnx.export(
             flat,
             tensors,
@@ -215,7 +232,7 @@ def _export_torchscript(
         dict.fromkeys(
             f"{str(w.message).splitlines()[0]} ({os.path.basename(w.filename)}:{w.lineno})"
             for w in caught
-            if issubclass(w.category, TracerWarning)
+            if issubclass(w.category, tracer_warning)
         )
     )
     return onnx.load_model_from_string(buffer.getvalue())
