@@ -55,11 +55,17 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"'{attribute.name}' must be a positive int (got {value!r}).")
 
 
+# The opsets ORT 1.19's training layer builds gradients for, with the TorchScript exporter:
+# below 12 Dropout has no training_mode input (the gradient build rejects it); above 21 ORT 1.19
+# has no schemas. Some torch ops need more (tril needs 14), which the exporter says by name.
+MIN_OPSET, MAX_OPSET = 12, 21
+OPSET_RANGE = f"an int from {MIN_OPSET} to {MAX_OPSET}"
+
+
 def _opset(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or not 14 <= value <= 20:
+    if type(value) is not int or not MIN_OPSET <= value <= MAX_OPSET:
         raise ValueError(
-            f"'{attribute.name}' must be an int from 14 to 20, the opsets ORT 1.19 trains "
-            f"(got {value!r})."
+            f"'{attribute.name}' must be {OPSET_RANGE}, the opsets ORT 1.19 trains (got {value!r})."
         )
 
 
@@ -264,7 +270,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "ORTMODULE_SAVE_ONNX_PATH": ("save_path", str, "a writable directory"),
     "ORTMODULE_FALLBACK_POLICY": ("fallback_policy", _fallback, _FALLBACK_NAMES + " (joined by |)"),
     "ORTMODULE_FALLBACK_RETRY": ("fallback_retry", _flag, "1/0, true/false"),
-    "ORTMODULE_ONNX_OPSET_VERSION": ("opset_version", int, "an int from 14 to 20"),
+    "ORTMODULE_ONNX_OPSET_VERSION": ("opset_version", int, OPSET_RANGE),
     "ORTMODULE_MEMORY_OPT_LEVEL": ("memory_opt_level", int, "0, 1 or 2"),
     "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, "a JSON file path or plan strings"),
     "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": ("enable_compute_optimizer", _flag, "1 or 0"),
