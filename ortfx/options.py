@@ -197,8 +197,10 @@ class Options:
             try:
                 value = parse(raw)
                 attrs.evolve(base, **{**changes, field: value})  # run the validators
-            except (ValueError, TypeError, KeyError, OSError):
-                _warn_invalid(variable, raw, choices)
+            except (ValueError, TypeError, KeyError, OSError) as e:
+                # choices=None: the validator's own message says what was expected.
+                reason = str(e).rstrip(".") if choices is None else f"expected {choices}"
+                _warn_invalid(variable, raw, reason)
                 continue
             changes[field] = value
         return attrs.evolve(base, **changes) if changes else base
@@ -260,8 +262,8 @@ def _threads(raw: str) -> int:
 
 _FALLBACK_NAMES = " | ".join(f"FALLBACK_{f.name}" for f in FallbackPolicy if f.name)
 
-# variable -> (Options field, parser, valid choices for the warning)
-ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
+# variable -> (Options field, parser, valid choices for the warning, or None to quote the validator)
+ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
     "ORTMODULE_LOG_LEVEL": (
         "log_level",
         lambda r: LogLevel[r.strip().upper()],
@@ -272,7 +274,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "ORTMODULE_FALLBACK_RETRY": ("fallback_retry", _flag, "1/0, true/false"),
     "ORTMODULE_ONNX_OPSET_VERSION": ("opset_version", int, OPSET_RANGE),
     "ORTMODULE_MEMORY_OPT_LEVEL": ("memory_opt_level", int, "0, 1 or 2"),
-    "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, "a JSON file path or plan strings"),
+    "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, None),
     "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": ("enable_compute_optimizer", _flag, "1 or 0"),
     "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": ("deepcopy_before_export", _flag, "1 or 0"),
     "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
@@ -284,14 +286,14 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
 _warned: set[tuple[str, str]] = set()
 
 
-def _warn_invalid(variable: str, raw: str, choices: str) -> None:
+def _warn_invalid(variable: str, raw: str, reason: str) -> None:
     from ortfx.errors import OrtfxWarning
 
     if (variable, raw) in _warned:
         return
     _warned.add((variable, raw))
     warnings.warn(
-        f"ignoring {variable}={raw!r}: expected {choices}; keeping the default.",
+        f"ignoring {variable}={raw!r}: {reason}; keeping the default.",
         OrtfxWarning,
         stacklevel=3,
     )
