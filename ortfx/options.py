@@ -117,6 +117,23 @@ def _memory_config(_: object, attribute: attrs.Attribute[Any], value: object) ->
     parse_config(value)  # raises ValueError naming the malformed entry
 
 
+SAVE_PATH_NOT_WRITABLE = (
+    "cannot save ONNX models to {directory!r}: it {problem}. Pass an existing, writable "
+    "directory as DebugOptions(save_path=...) or ORTMODULE_SAVE_ONNX_PATH (or create it first)."
+)
+
+
+def _unwritable(directory: str) -> str | None:
+    """Why ``directory`` cannot take saved models, or None if it can."""
+    if not os.path.exists(directory):
+        return "does not exist"
+    if not os.path.isdir(directory):
+        return "is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
 @attrs.frozen
 class ExportOptions:
     """The options that change the exported or processed graph; part of the export key."""
@@ -160,19 +177,18 @@ class Options:
     cpu_mem_arena: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if self.save_onnx:
-            if not self.onnx_prefix:
-                raise ValueError(
-                    "save_onnx=True needs a non-empty onnx_prefix: the saved files are named "
-                    "'{prefix}_torch_exported_{mode}.onnx' and so on. Pass e.g. "
-                    "DebugOptions(save_onnx=True, onnx_prefix='my_model')."
-                )
-            directory = self.save_path or os.getcwd()
-            if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-                raise OSError(
-                    f"save_onnx=True but the directory {directory!r} does not exist or is not "
-                    "writable; pass a writable save_path or set ORTMODULE_SAVE_ONNX_PATH."
-                )
+        if self.save_onnx and not self.onnx_prefix:
+            raise ValueError(
+                "save_onnx=True needs a non-empty onnx_prefix: the saved files are named "
+                "'{prefix}_torch_exported_{mode}.onnx' and so on. Pass e.g. "
+                "DebugOptions(save_onnx=True, onnx_prefix='my_model')."
+            )
+        # A directory given explicitly is checked even before saving is turned on: a typo
+        # should fail here, not after a long run that was meant to leave models behind.
+        directory = self.save_path or (os.getcwd() if self.save_onnx else "")
+        problem = _unwritable(directory) if directory else None
+        if problem:
+            raise OSError(SAVE_PATH_NOT_WRITABLE.format(directory=directory, problem=problem))
 
     def export_options(self, resolved_exporter: str) -> ExportOptions:
         """The export-relevant subset, with ``"auto"`` already resolved to a real exporter."""
@@ -185,7 +201,8 @@ class Options:
         """``base`` (default: defaults) with every set environment variable applied on top.
 
         An invalid value warns once, naming the variable, the value and the valid choices, and
-        keeps the value from ``base``.
+        keeps the value from ``base``. A save directory that cannot be written raises
+        ``OSError``, as upstream: models asked for must not silently go unsaved.
         """
         base = base if base is not None else cls()
         env = os.environ if environ is None else environ
@@ -197,7 +214,9 @@ class Options:
             try:
                 value = parse(raw)
                 attrs.evolve(base, **{**changes, field: value})  # run the validators
-            except (ValueError, TypeError, KeyError, OSError) as e:
+            except OSError as e:
+                raise OSError(f"{variable}={raw!r}: {e}") from None
+            except (ValueError, TypeError, KeyError) as e:
                 # choices=None: the validator's own message says what was expected.
                 reason = str(e).rstrip(".") if choices is None else f"expected {choices}"
                 _warn_invalid(variable, raw, reason)
