@@ -16,11 +16,13 @@ Two exporters sit behind :func:`export`:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io as _io
 import os
 import random
 import re
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -110,17 +112,64 @@ class Exported:
     tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
 
 
+# The keywords torch.utils.checkpoint.checkpoint takes for itself; the rest go to the function.
+_CHECKPOINT_KEYWORDS = frozenset(
+    {
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "respect_saved_tensors_hooks",
+    }
+)
+
+
+def _rebind(
+    namespace: dict[str, Any], original: Any, replacement: Any
+) -> list[tuple[dict[str, Any], str, Any]]:
+    """Point every name in ``namespace`` bound to ``original`` (or a ``functools.partial`` of
+    it, as transformers stores) at ``replacement``; return what to put back."""
+    undo = []
+    for name, value in list(namespace.items()):
+        if value is original:
+            namespace[name] = replacement
+        elif isinstance(value, functools.partial) and value.func is original:
+            namespace[name] = functools.partial(replacement, *value.args, **value.keywords)
+        else:
+            continue
+        undo.append((namespace, name, value))
+    return undo
+
+
 @contextlib.contextmanager
-def checkpoints_traced_directly() -> Iterator[list[int]]:
+def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
     """Trace the function inside ``torch.utils.checkpoint.checkpoint`` as plain code.
 
     The reentrant variant is an autograd.Function the exporter cannot express; recompute is
     ORT's job (the memory optimizer). Yields a one-item list counting the calls.
+
+    Counted through public names only (torch moves checkpoint's internals between releases):
+    ``checkpoint`` itself, every binding of it that ``module``'s code holds (a module-level
+    ``from torch.utils.checkpoint import checkpoint`` in the files defining its submodules'
+    classes, a ``functools.partial`` of it stored on a submodule), and ``CheckpointFunction``,
+    which the original reentrant variant still reaches from any other binding.
     """
-    from torch.utils import checkpoint as ckpt  # private attributes patched for the export only
+    from torch.utils import checkpoint as ckpt
 
     calls = [0]
-    reentrant, generator = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    public, reentrant = ckpt.checkpoint, ckpt.CheckpointFunction
+
+    def direct(function: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if function is None:  # the decorator form, checkpoint(use_reentrant=False)(fn)
+            return functools.partial(direct, **kwargs)
+        own = {k: kwargs.pop(k) for k in _CHECKPOINT_KEYWORDS & kwargs.keys()}
+        if kwargs and own.get("use_reentrant") is not False:
+            # as torch: only the non-reentrant variant passes keywords on to the function
+            raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+        calls[0] += 1
+        return function(*args, **kwargs)
 
     class Direct:
         @staticmethod
@@ -128,17 +177,19 @@ def checkpoints_traced_directly() -> Iterator[list[int]]:
             calls[0] += 1
             return function(*args)
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return generator(*args, **kwargs)
-
-    ckpt.CheckpointFunction = Direct  # type: ignore[misc,assignment]
-    ckpt._checkpoint_without_reentrant_generator = counted
+    undo = _rebind(vars(ckpt), public, direct)
+    undo += _rebind(vars(ckpt), reentrant, Direct)
     try:
+        for m in module.modules():
+            undo += _rebind(vars(m), public, direct)
+            for klass in type(m).__mro__:
+                code = sys.modules.get(klass.__module__)
+                if code is not None and code is not ckpt:
+                    undo += _rebind(vars(code), public, direct)
         yield calls
     finally:
-        ckpt.CheckpointFunction = reentrant  # type: ignore[misc]
-        ckpt._checkpoint_without_reentrant_generator = generator
+        for namespace, name, value in reversed(undo):
+            namespace[name] = value
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -301,8 +352,9 @@ def export(
     tensors = tuple(leaves[i].detach() for i in positions)
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
+    traced = checkpoints_traced_directly(module)
     try:
-        with preserved_random_state(), torch.no_grad(), checkpoints_traced_directly() as calls:
+        with preserved_random_state(), torch.no_grad(), traced as calls:
             model = exporter(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:
         raise
