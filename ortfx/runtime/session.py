@@ -18,9 +18,12 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from ortfx.errors import (
     CUDA_PROVIDER_MISSING,
+    EMPTY_TENSOR_TRAINING,
     ORT_MISSING,
+    UNSUPPORTED_LAYOUT,
     OrtfxDeviceError,
     OrtfxInitError,
+    OrtfxIOError,
     OrtfxRuntimeError,
 )
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -115,7 +118,11 @@ def session_options(options: Options, *, training: bool, deterministic: bool) ->
 def _capsule(tensor: torch.Tensor) -> tuple[Any, bool]:
     """A DLPack capsule for ORT and whether it carries a bool tensor."""
     tensor = tensor.detach()
-    if not tensor.is_contiguous():
+    if tensor.numel() == 0:
+        # torch calls every empty tensor contiguous whatever its strides (an expanded gradient
+        # has zeros); ORT's DLPack reader checks the strides: cross a fresh one.
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    elif not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.dtype is torch.bool:
         # ORT's DLPack reader has no bool type: cross as uint8 and flag it.
@@ -129,6 +136,39 @@ def _to_ort(vector: Any, tensor: torch.Tensor) -> None:
 
 def _ort_value(tensor: torch.Tensor) -> Any:
     return C.OrtValue.from_dlpack(*_capsule(tensor))
+
+
+def _where(info: PostExportProcessedModelInfo, k: int) -> tuple[str, str]:
+    """("input", leaf path) for a user input, (kind, graph name) for a parameter or buffer."""
+    spec = info.inputs[k]
+    if spec.kind is InputKind.USER:
+        return "input", info.input_schema.paths[spec.source]
+    return spec.kind.name.lower(), spec.name
+
+
+def _check_not_empty(
+    info: PostExportProcessedModelInfo, inputs: Sequence[torch.Tensor], slots: Sequence[int]
+) -> None:
+    """Raise before ORT's forward: its backward on an empty tensor fails or crashes."""
+    for k in slots:
+        if inputs[k].numel() == 0:
+            where, path = _where(info, k)
+            shape = list(inputs[k].shape)
+            raise OrtfxIOError(EMPTY_TENSOR_TRAINING.format(where=where, path=path, shape=shape))
+
+
+def _feed_error(
+    info: PostExportProcessedModelInfo, inputs: Sequence[torch.Tensor], error: Exception
+) -> Exception:
+    """Why ``inputs`` could not cross into ORT: a typed error for what ortfx can name (a
+    sparse or other non-dense tensor, which the fast path does not look at), else ``error``."""
+    for k, tensor in enumerate(inputs):
+        if tensor.layout is not torch.strided:
+            where, path = _where(info, k)
+            return OrtfxIOError(
+                UNSUPPORTED_LAYOUT.format(where=where, path=path, layout=tensor.layout)
+            )
+    return error
 
 
 def _to_torch(vector: Any) -> list[torch.Tensor]:
@@ -287,6 +327,9 @@ class TrainingRunner:
         self.saved_outputs = tuple(gi.module_output_indices_requires_save_for_backward)
         # Where each backward fetch goes among the autograd Function's inputs.
         self.grad_slots = tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad)
+        self.user_slots = tuple(
+            k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER
+        )
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -294,10 +337,14 @@ class TrainingRunner:
         return {k: (str(v[0]), int(v[1])) for k, v in stat.items()}
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        _check_not_empty(self.info, inputs, self.user_slots)
         feeds = C.OrtValueVector()
         feeds.reserve(len(inputs))
-        for t in inputs:
-            _to_ort(feeds, t)
+        try:
+            for t in inputs:
+                _to_ort(feeds, t)
+        except Exception as e:
+            raise _feed_error(self.info, inputs, e) from e
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
         try:
@@ -365,8 +412,11 @@ class InferenceRunner:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
-        for spec, tensor in zip(self.info.inputs, inputs, strict=True):
-            binding.bind_ortvalue_input(spec.name, _ort_value(tensor))
+        try:
+            for spec, tensor in zip(self.info.inputs, inputs, strict=True):
+                binding.bind_ortvalue_input(spec.name, _ort_value(tensor))
+        except Exception as e:
+            raise _feed_error(self.info, inputs, e) from e
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
         try:
