@@ -141,7 +141,7 @@ def _ort_value(tensor: torch.Tensor) -> Any:
 def _where(info: PostExportProcessedModelInfo, k: int) -> tuple[str, str]:
     """("input", leaf path) for a user input, (kind, graph name) for a parameter or buffer."""
     spec = info.inputs[k]
-    if spec.kind is InputKind.USER:
+    if spec.kind is InputKind.USER and isinstance(spec.source, int):
         return "input", info.input_schema.paths[spec.source]
     return spec.kind.name.lower(), spec.name
 
