@@ -166,3 +166,28 @@ def test_checkpoint_keywords_follow_torch() -> None:
     assert _export(Keywords(False), torch.randn(2, 4)) == 1
     with pytest.raises(OrtfxExportError, match="Unexpected keyword arguments: k"):
         _export(Keywords(True), torch.randn(2, 4))
+
+
+def test_package_metadata_admits_the_tested_matrix() -> None:
+    """pyproject's torch range and requires-python admit what the README says is tested."""
+    import pathlib
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    torch_req = next(
+        Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"
+    )
+    for version in ("2.13.0", "2.14.1", torch.__version__.split("+")[0]):
+        assert torch_req.specifier.contains(version), (torch_req, version)
+    assert not torch_req.specifier.contains("2.15.0")  # untested: opt in by raising the bound
+    python = SpecifierSet(project["requires-python"])
+    assert python.contains("3.11.9") and python.contains("3.12.0")
+    # the README's matrix states exactly what the metadata admits
+    readme = (root / "README.md").read_text()
+    assert "## Supported and tested versions" in readme
+    assert f'`requires-python = "{project["requires-python"]}"`' in readme
+    assert "`>=2.6,<2.15`" in readme and "torch>=2.6,<2.15" in project["dependencies"]
