@@ -52,6 +52,20 @@ UNSUPPORTED_LEAF = (
     "or call the module outside ortfx."
 )
 
+UNSUPPORTED_LAYOUT = (
+    "{where} {path} is a {layout} tensor; ortfx carries only dense (torch.strided) tensors "
+    "through an ONNX graph. Convert it with .to_dense() before the call, or call the module "
+    "outside ortfx."
+)
+
+EMPTY_TENSOR_TRAINING = (
+    "{where} {path} is empty (shape {shape}); ONNX Runtime 1.19's CPU gradient kernels reject "
+    "empty tensors (Gemm) or kill the process on them (Conv), so ortfx does not train on them "
+    "in ONNX Runtime. The default fallback policy (UNSUPPORTED_DATA) runs such a call in "
+    "PyTorch; otherwise skip empty batches, or run them under torch.no_grad(), which ONNX "
+    "Runtime serves."
+)
+
 DATA_PARALLEL = (
     "ortfx.ORTModule was given a {type_name}; wrapping a (Distributed)DataParallel module is not "
     "supported because the wrapper replicates the module outside ONNX Runtime. "

@@ -16,10 +16,13 @@ Two exporters sit behind :func:`export`:
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io as _io
 import os
 import random
 import re
+import sys
 import time
 import types
 import warnings
@@ -30,7 +33,6 @@ import attrs
 import numpy as np
 import onnx
 import torch
-from torch.jit._trace import TracerWarning  # the public alias is untyped
 
 from ortfx import io
 from ortfx.errors import OrtfxExportError, OrtfxIOError
@@ -52,18 +54,31 @@ DYNAMO_NEEDS_ONNXSCRIPT = (
 )
 
 NO_TORCHSCRIPT_EXPORTER = (
-    "this torch ({version}) no longer ships the TorchScript ONNX exporter "
-    "(torch.onnx.export(..., dynamo=False)); ortfx switches to the dynamo exporter."
+    "Options(exporter='torchscript') was requested, but this torch ({version}) no longer ships "
+    "the TorchScript ONNX exporter (torch.jit tracing and torch.onnx.export(..., dynamo=False)). "
+    "Use Options(exporter='dynamo'), or 'auto', which picks dynamo on this torch."
 )
 
 
 def torchscript_available() -> bool:
     """Whether this torch still ships the TorchScript exporter (moved in 2.9, deprecated)."""
     try:
-        import torch.onnx._internal.torchscript_exporter
+        _tracer_warning()
+        importlib.import_module("torch.onnx._internal.torchscript_exporter")
     except ImportError:
-        return hasattr(torch.onnx, "utils") and hasattr(torch.onnx.utils, "_export")
+        try:  # before torch 2.9 the exporter lived in torch.onnx.utils
+            return hasattr(importlib.import_module("torch.onnx.utils"), "_export")
+        except ImportError:
+            return False
     return True
+
+
+def _tracer_warning() -> type[Warning]:
+    """TorchScript's TracerWarning, imported on use: ``import ortfx`` must survive a torch
+    without TorchScript, where the dynamo exporter takes over."""
+    from torch.jit._trace import TracerWarning  # the public alias is untyped
+
+    return TracerWarning
 
 
 def resolve_exporter(requested: str) -> str:
@@ -100,17 +115,64 @@ class Exported:
     tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
 
 
+# The keywords torch.utils.checkpoint.checkpoint takes for itself; the rest go to the function.
+_CHECKPOINT_KEYWORDS = frozenset(
+    {
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "respect_saved_tensors_hooks",
+    }
+)
+
+
+def _rebind(
+    namespace: dict[str, Any], original: Any, replacement: Any
+) -> list[tuple[dict[str, Any], str, Any]]:
+    """Point every name in ``namespace`` bound to ``original`` (or a ``functools.partial`` of
+    it, as transformers stores) at ``replacement``; return what to put back."""
+    undo = []
+    for name, value in list(namespace.items()):
+        if value is original:
+            namespace[name] = replacement
+        elif isinstance(value, functools.partial) and value.func is original:
+            namespace[name] = functools.partial(replacement, *value.args, **value.keywords)
+        else:
+            continue
+        undo.append((namespace, name, value))
+    return undo
+
+
 @contextlib.contextmanager
-def checkpoints_traced_directly() -> Iterator[list[int]]:
+def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
     """Trace the function inside ``torch.utils.checkpoint.checkpoint`` as plain code.
 
     The reentrant variant is an autograd.Function the exporter cannot express; recompute is
     ORT's job (the memory optimizer). Yields a one-item list counting the calls.
+
+    Counted through public names only (torch moves checkpoint's internals between releases):
+    ``checkpoint`` itself, every binding of it that ``module``'s code holds (a module-level
+    ``from torch.utils.checkpoint import checkpoint`` in the files defining its submodules'
+    classes, a ``functools.partial`` of it stored on a submodule), and ``CheckpointFunction``,
+    which the original reentrant variant still reaches from any other binding.
     """
-    from torch.utils import checkpoint as ckpt  # private attributes patched for the export only
+    from torch.utils import checkpoint as ckpt
 
     calls = [0]
-    reentrant, generator = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    public, reentrant = ckpt.checkpoint, ckpt.CheckpointFunction
+
+    def direct(function: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if function is None:  # the decorator form, checkpoint(use_reentrant=False)(fn)
+            return functools.partial(direct, **kwargs)
+        own = {k: kwargs.pop(k) for k in _CHECKPOINT_KEYWORDS & kwargs.keys()}
+        if kwargs and own.get("use_reentrant") is not False:
+            # as torch: only the non-reentrant variant passes keywords on to the function
+            raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+        calls[0] += 1
+        return function(*args, **kwargs)
 
     class Direct:
         @staticmethod
@@ -118,17 +180,19 @@ def checkpoints_traced_directly() -> Iterator[list[int]]:
             calls[0] += 1
             return function(*args)
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return generator(*args, **kwargs)
-
-    ckpt.CheckpointFunction = Direct  # type: ignore[misc,assignment]
-    ckpt._checkpoint_without_reentrant_generator = counted
+    undo = _rebind(vars(ckpt), public, direct)
+    undo += _rebind(vars(ckpt), reentrant, Direct)
     try:
+        for m in module.modules():
+            undo += _rebind(vars(m), public, direct)
+            for klass in type(m).__mro__:
+                code = sys.modules.get(klass.__module__)
+                if code is not None and code is not ckpt:
+                    undo += _rebind(vars(code), public, direct)
         yield calls
     finally:
-        ckpt.CheckpointFunction = reentrant  # type: ignore[misc]
-        ckpt._checkpoint_without_reentrant_generator = generator
+        for namespace, name, value in reversed(undo):
+            namespace[name] = value
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -326,6 +390,10 @@ def _export_torchscript(
     input_names: list[str],
     opset: int,
 ) -> onnx.ModelProto:
+    try:
+        tracer_warning = _tracer_warning()
+    except ImportError as e:
+        raise OrtfxExportError(NO_TORCHSCRIPT_EXPORTER.format(version=torch.__version__)) from e
     buffer = _io.BytesIO()
     dynamic_axes = {
         name: {d: f"{name}_dim{d}" for d in range(t.dim())}
@@ -335,7 +403,7 @@ def _export_torchscript(
         # The exporter is deprecated and warns on every trace: silence that. TracerWarnings
         # (a tensor turned into a Python value, baked into the graph) are kept for the log.
         warnings.simplefilter("ignore")
-        warnings.simplefilter("always", TracerWarning)
+        warnings.simplefilter("always", tracer_warning)
         torch.onnx.export(
             flat,
             tensors,
@@ -354,7 +422,7 @@ def _export_torchscript(
         dict.fromkeys(
             f"{str(w.message).splitlines()[0]} ({os.path.basename(w.filename)}:{w.lineno})"
             for w in caught
-            if issubclass(w.category, TracerWarning)
+            if issubclass(w.category, tracer_warning)
         )
     )
     return onnx.load_model_from_string(buffer.getvalue())
@@ -459,13 +527,14 @@ def export(
     tensors = tuple(leaves[i].detach().clone() for i in positions)
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
+    traced = checkpoints_traced_directly(module)
     try:
         with (
             preserved_random_state(),
             state_preserved(module),
             batch_norm_updates_in_graph(module),
             torch.no_grad(),
-            checkpoints_traced_directly() as calls,
+            traced as calls,
         ):
             model = exporter(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:

@@ -19,7 +19,7 @@ import attrs
 import optree
 import torch
 
-from ortfx.errors import UNSUPPORTED_LEAF, OrtfxIOError
+from ortfx.errors import UNSUPPORTED_LAYOUT, UNSUPPORTED_LEAF, OrtfxIOError
 
 NAMESPACE: Final = "ortfx"
 
@@ -160,4 +160,9 @@ def check_leaves(
             path = leaf_paths(spec, root=root)[i]
             raise OrtfxIOError(
                 UNSUPPORTED_LEAF.format(where=where, path=path, type_name=type(leaf).__qualname__)
+            )
+        if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
+            path = leaf_paths(spec, root=root)[i]
+            raise OrtfxIOError(
+                UNSUPPORTED_LAYOUT.format(where=where, path=path, layout=leaf.layout)
             )

@@ -40,12 +40,13 @@ class Plan:
 
     @classmethod
     def parse(cls, entry: str, *, where: str = "") -> Plan:
-        parts = entry.strip().rsplit(":", 2)
+        # Exactly three fields, as ORT splits them; cluster ids never hold a colon.
+        parts = [p.strip() for p in entry.split(":")]
         try:
             cluster, kind, count = parts[0], int(parts[1]), int(parts[2])
         except (IndexError, ValueError):
             raise ValueError(MALFORMED_PLAN.format(entry=entry, where=where)) from None
-        if not cluster or kind not in (0, 1, 2) or count < -1:
+        if len(parts) != 3 or not cluster or kind not in (0, 1, 2) or count < -1:
             raise ValueError(MALFORMED_PLAN.format(entry=entry, where=where))
         return cls(cluster, kind, count)
 
@@ -66,11 +67,17 @@ def parse_config(config: str) -> tuple[Plan, ...]:
                 f"memory optimizer config file {config!r} is not JSON ({e}); expected a JSON "
                 f'list of plan strings such as ["Gelu+:1:-1"].'
             ) from None
-        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        if not isinstance(entries, list):
             raise ValueError(
                 f"memory optimizer config file {config!r} must hold a JSON list of plan strings "
-                f'such as ["Gelu+:1:-1"], got {type(entries).__name__}.'
+                f'such as ["Gelu+:1:-1"], got a JSON {type(entries).__name__}.'
             )
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, str):
+                raise ValueError(
+                    f"memory optimizer config file {config!r}: entry {i} ({entry!r}) is a "
+                    f"{type(entry).__name__}, not a plan string; expected {PLAN_FORM}."
+                )
     elif config.endswith(".json"):
         raise ValueError(
             f"memory optimizer config file {config!r} does not exist; pass an existing JSON "

@@ -55,11 +55,17 @@ def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"'{attribute.name}' must be a positive int (got {value!r}).")
 
 
+# The opsets ORT 1.19's training layer builds gradients for, with the TorchScript exporter:
+# below 12 Dropout has no training_mode input (the gradient build rejects it); above 21 ORT 1.19
+# has no schemas. Some torch ops need more (tril needs 14), which the exporter says by name.
+MIN_OPSET, MAX_OPSET = 12, 21
+OPSET_RANGE = f"an int from {MIN_OPSET} to {MAX_OPSET}"
+
+
 def _opset(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or not 14 <= value <= 20:
+    if type(value) is not int or not MIN_OPSET <= value <= MAX_OPSET:
         raise ValueError(
-            f"'{attribute.name}' must be an int from 14 to 20, the opsets ORT 1.19 trains "
-            f"(got {value!r})."
+            f"'{attribute.name}' must be {OPSET_RANGE}, the opsets ORT 1.19 trains (got {value!r})."
         )
 
 
@@ -111,6 +117,23 @@ def _memory_config(_: object, attribute: attrs.Attribute[Any], value: object) ->
     parse_config(value)  # raises ValueError naming the malformed entry
 
 
+SAVE_PATH_NOT_WRITABLE = (
+    "cannot save ONNX models to {directory!r}: it {problem}. Pass an existing, writable "
+    "directory as DebugOptions(save_path=...) or ORTMODULE_SAVE_ONNX_PATH (or create it first)."
+)
+
+
+def _unwritable(directory: str) -> str | None:
+    """Why ``directory`` cannot take saved models, or None if it can."""
+    if not os.path.exists(directory):
+        return "does not exist"
+    if not os.path.isdir(directory):
+        return "is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
+
+
 @attrs.frozen
 class ExportOptions:
     """The options that change the exported or processed graph; part of the export key."""
@@ -154,19 +177,18 @@ class Options:
     cpu_mem_arena: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if self.save_onnx:
-            if not self.onnx_prefix:
-                raise ValueError(
-                    "save_onnx=True needs a non-empty onnx_prefix: the saved files are named "
-                    "'{prefix}_torch_exported_{mode}.onnx' and so on. Pass e.g. "
-                    "DebugOptions(save_onnx=True, onnx_prefix='my_model')."
-                )
-            directory = self.save_path or os.getcwd()
-            if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-                raise OSError(
-                    f"save_onnx=True but the directory {directory!r} does not exist or is not "
-                    "writable; pass a writable save_path or set ORTMODULE_SAVE_ONNX_PATH."
-                )
+        if self.save_onnx and not self.onnx_prefix:
+            raise ValueError(
+                "save_onnx=True needs a non-empty onnx_prefix: the saved files are named "
+                "'{prefix}_torch_exported_{mode}.onnx' and so on. Pass e.g. "
+                "DebugOptions(save_onnx=True, onnx_prefix='my_model')."
+            )
+        # A directory given explicitly is checked even before saving is turned on: a typo
+        # should fail here, not after a long run that was meant to leave models behind.
+        directory = self.save_path or (os.getcwd() if self.save_onnx else "")
+        problem = _unwritable(directory) if directory else None
+        if problem:
+            raise OSError(SAVE_PATH_NOT_WRITABLE.format(directory=directory, problem=problem))
 
     def export_options(self, resolved_exporter: str) -> ExportOptions:
         """The export-relevant subset, with ``"auto"`` already resolved to a real exporter."""
@@ -179,7 +201,8 @@ class Options:
         """``base`` (default: defaults) with every set environment variable applied on top.
 
         An invalid value warns once, naming the variable, the value and the valid choices, and
-        keeps the value from ``base``.
+        keeps the value from ``base``. A save directory that cannot be written raises
+        ``OSError``, as upstream: models asked for must not silently go unsaved.
         """
         base = base if base is not None else cls()
         env = os.environ if environ is None else environ
@@ -191,8 +214,12 @@ class Options:
             try:
                 value = parse(raw)
                 attrs.evolve(base, **{**changes, field: value})  # run the validators
-            except (ValueError, TypeError, KeyError, OSError):
-                _warn_invalid(variable, raw, choices)
+            except OSError as e:
+                raise OSError(f"{variable}={raw!r}: {e}") from None
+            except (ValueError, TypeError, KeyError) as e:
+                # choices=None: the validator's own message says what was expected.
+                reason = str(e).rstrip(".") if choices is None else f"expected {choices}"
+                _warn_invalid(variable, raw, reason)
                 continue
             changes[field] = value
         return attrs.evolve(base, **changes) if changes else base
@@ -254,8 +281,8 @@ def _threads(raw: str) -> int:
 
 _FALLBACK_NAMES = " | ".join(f"FALLBACK_{f.name}" for f in FallbackPolicy if f.name)
 
-# variable -> (Options field, parser, valid choices for the warning)
-ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
+# variable -> (Options field, parser, valid choices for the warning, or None to quote the validator)
+ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
     "ORTMODULE_LOG_LEVEL": (
         "log_level",
         lambda r: LogLevel[r.strip().upper()],
@@ -264,9 +291,9 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "ORTMODULE_SAVE_ONNX_PATH": ("save_path", str, "a writable directory"),
     "ORTMODULE_FALLBACK_POLICY": ("fallback_policy", _fallback, _FALLBACK_NAMES + " (joined by |)"),
     "ORTMODULE_FALLBACK_RETRY": ("fallback_retry", _flag, "1/0, true/false"),
-    "ORTMODULE_ONNX_OPSET_VERSION": ("opset_version", int, "an int from 14 to 20"),
+    "ORTMODULE_ONNX_OPSET_VERSION": ("opset_version", int, OPSET_RANGE),
     "ORTMODULE_MEMORY_OPT_LEVEL": ("memory_opt_level", int, "0, 1 or 2"),
-    "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, "a JSON file path or plan strings"),
+    "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, None),
     "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": ("enable_compute_optimizer", _flag, "1 or 0"),
     "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": ("deepcopy_before_export", _flag, "1 or 0"),
     "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
@@ -278,14 +305,14 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str]] = {
 _warned: set[tuple[str, str]] = set()
 
 
-def _warn_invalid(variable: str, raw: str, choices: str) -> None:
+def _warn_invalid(variable: str, raw: str, reason: str) -> None:
     from ortfx.errors import OrtfxWarning
 
     if (variable, raw) in _warned:
         return
     _warned.add((variable, raw))
     warnings.warn(
-        f"ignoring {variable}={raw!r}: expected {choices}; keeping the default.",
+        f"ignoring {variable}={raw!r}: {reason}; keeping the default.",
         OrtfxWarning,
         stacklevel=3,
     )

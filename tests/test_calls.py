@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import logging
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -11,6 +15,8 @@ import torch
 from torch import nn
 
 import ortfx
+from ortfx.errors import EMPTY_TENSOR_TRAINING
+from tests import models
 from tests.models import check_parity, max_diff
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -170,3 +176,60 @@ def test_embedding_padding_row_gets_no_gradient() -> None:
     wrapped = check_parity(model, (ids,), loss=lambda o: o.square().sum())
     assert torch.all(model[0].weight.grad[0] == 0)
     assert ortfx.stats(wrapped).exports == 1
+
+
+def test_empty_batch_then_backward_matches_pytorch(caplog: pytest.LogCaptureFixture) -> None:
+    """ORT cannot train on an empty batch; the default policy runs that call in PyTorch."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model)
+    x = torch.zeros(0, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        out = wrapped(x)
+    assert "OrtfxIOError: input args[0] is empty (shape [0, 8])" in caplog.text
+    out.sum().backward()
+    reference(x_ref).sum().backward()
+    assert out.shape == (0, 4) and x.grad is not None and x.grad.shape == (0, 8)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert q.grad is not None and torch.equal(p.grad, q.grad)
+
+
+def test_empty_batch_is_a_typed_error_under_disable_and_never_a_crash() -> None:
+    # Conv's gradient kernel in ORT 1.19 dies of SIGFPE on an empty batch: run in a subprocess.
+    code = (
+        "import torch, ortfx\n"
+        "options = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)\n"
+        "w = ortfx.ORTModule(torch.nn.Conv1d(2, 3, 3), options=options)\n"
+        "w(torch.randn(2, 2, 8)).sum().backward()\n"
+        "try:\n"
+        "    w(torch.zeros(0, 2, 8, requires_grad=True)).sum().backward()\n"
+        "except ortfx.OrtfxIOError as e:\n"
+        "    print(e)\n"
+        "with torch.no_grad():\n"
+        "    print(tuple(w(torch.zeros(0, 2, 8)).shape))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    said, shape = result.stdout.splitlines()[-2:]
+    assert said == EMPTY_TENSOR_TRAINING.format(where="input", path="args[0]", shape=[0, 2, 8])
+    assert shape == "(0, 3, 6)"
+
+
+@pytest.mark.parametrize("dense_first", [False, True])
+def test_sparse_input_is_a_typed_error_naming_the_path(dense_first: bool) -> None:
+    options = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    wrapped = ortfx.ORTModule(models.MLP(), options=options)
+    if dense_first:  # the steady-state fast path does not look at the layout
+        wrapped(torch.randn(3, 8))
+        wrapped(torch.randn(3, 8))
+    with pytest.raises(ortfx.OrtfxIOError) as info:
+        wrapped(torch.randn(3, 8).to_sparse())
+    assert str(info.value) == (
+        "input args[0] is a torch.sparse_coo tensor; ortfx carries only dense (torch.strided) "
+        "tensors through an ONNX graph. Convert it with .to_dense() before the call, or call "
+        "the module outside ortfx."
+    )

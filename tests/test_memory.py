@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ortfx
-from ortfx.memory import Plan, evaluate, parse_config
+from ortfx import options as options_module
+from ortfx.memory import PLAN_FORM, Plan, evaluate, parse_config
 from tests import models
 from tests.models import max_diff
 
@@ -127,6 +128,10 @@ def test_report_rows_estimate_bytes_from_input_sizes() -> None:
             "memory optimizer config entry 'FusedMatMul+:1:x' is not a plan",
         ),
         ("missing_plans.json", "memory optimizer config file 'missing_plans.json' does not exist"),
+        ("Gelu+:1", "memory optimizer config entry 'Gelu+:1' is not a plan"),
+        ("Gelu+:one:-1", "memory optimizer config entry 'Gelu+:one:-1' is not a plan"),
+        ("Gelu+:1:-1:2", "memory optimizer config entry 'Gelu+:1:-1:2' is not a plan"),
+        ("x:Gelu+:1:-1", "memory optimizer config entry 'x:Gelu+:1:-1' is not a plan"),
     ],
 )
 def test_malformed_configs_name_the_bad_entry(config: str, message: str) -> None:
@@ -143,6 +148,31 @@ def test_malformed_json_file_names_file_and_entry(tmp_path: Any) -> None:
     path.write_text("{not json")
     with pytest.raises(ValueError, match="is not JSON"):
         parse_config(str(path))
+    path.write_text(json.dumps(["Gelu+:1:-1", 3]))
+    with pytest.raises(ValueError, match="entry 1") as info:
+        ortfx.Options(memory_opt_config=str(path))
+    assert str(info.value) == (
+        f"memory optimizer config file {str(path)!r}: entry 1 (3) is a int, not a plan string; "
+        f"expected {PLAN_FORM}."
+    )
+
+
+def test_malformed_config_from_environment_warns_naming_the_entry_and_form() -> None:
+    options_module._warned.clear()
+    with pytest.warns(ortfx.OrtfxWarning) as record:
+        got = ortfx.Options.from_env(environ={"ORTMODULE_MEMORY_OPT_CONFIG": "Gelu+:1:-1,Gelu+:1"})
+    assert got == ortfx.Options()
+    assert [str(w.message) for w in record] == [
+        "ignoring ORTMODULE_MEMORY_OPT_CONFIG='Gelu+:1:-1,Gelu+:1': memory optimizer config "
+        "entry 'Gelu+:1' is not a plan: expected 'cluster:type:count', e.g. 'Gelu+:1:-1' where "
+        "type is 0, 1 or 2 and count is -1 (all) or a non-negative int; keeping the default."
+    ]
+
+
+def test_configure_rejects_a_malformed_config() -> None:
+    wrapped = ortfx.ORTModule(models.MLP(), options=ortfx.Options(memory_opt_config="Gelu+:1:-1"))
+    with pytest.raises(ValueError, match=r"entry 'Gelu\+:one:-1' is not a plan"):
+        ortfx.configure(wrapped, memory_opt_config="Gelu+:one:-1")
 
 
 def test_level_1_ignores_the_config_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -76,7 +76,8 @@ def test_save_path_from_environment(tmp_path: Any) -> None:
             "FALLBACK_BAD_INITIALIZATION (joined by |)",
         ),
         ("ORTMODULE_FALLBACK_RETRY", "maybe", "1/0, true/false"),
-        ("ORTMODULE_ONNX_OPSET_VERSION", "9", "an int from 14 to 20"),
+        ("ORTMODULE_ONNX_OPSET_VERSION", "11", "an int from 12 to 21"),
+        ("ORTMODULE_ONNX_OPSET_VERSION", "22", "an int from 12 to 21"),
         ("ORTMODULE_MEMORY_OPT_LEVEL", "3", "0, 1 or 2"),
         ("ORTMODULE_ENABLE_COMPUTE_OPTIMIZER", "yes please", "1 or 0"),
         ("ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT", "2", "1 or 0"),
@@ -98,15 +99,31 @@ def test_invalid_environment_values_warn_once_and_keep_the_default(
     ]
 
 
-def test_unwritable_save_path_from_environment_warns() -> None:
-    with pytest.warns(
-        ortfx.OrtfxWarning, match="ignoring ORTMODULE_SAVE_ONNX_PATH='/nonexistent/x'"
-    ):
-        got = Options.from_env(
-            Options(save_onnx=True, onnx_prefix="m", save_path=os.getcwd()),
-            environ={"ORTMODULE_SAVE_ONNX_PATH": "/nonexistent/x"},
-        )
-    assert got.save_path == os.getcwd()
+def test_unwritable_save_path_from_environment_raises_naming_variable_and_path(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = str(tmp_path / "missing")
+    with pytest.raises(OSError, match="does not exist") as info:
+        Options.from_env(environ={"ORTMODULE_SAVE_ONNX_PATH": missing})
+    assert str(info.value) == (
+        f"ORTMODULE_SAVE_ONNX_PATH={missing!r}: cannot save ONNX models to {missing!r}: it does "
+        "not exist. Pass an existing, writable directory as DebugOptions(save_path=...) or "
+        "ORTMODULE_SAVE_ONNX_PATH (or create it first)."
+    )
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", missing)
+    with pytest.raises(OSError, match="ORTMODULE_SAVE_ONNX_PATH="):
+        ortfx.ORTModule(models.MLP(), ortfx.DebugOptions(save_onnx=True, onnx_prefix="m"))
+
+
+@pytest.mark.parametrize("save_onnx", [False, True])
+def test_unwritable_save_path_raises_at_construction(tmp_path: Any, save_onnx: bool) -> None:
+    missing, a_file = str(tmp_path / "missing"), tmp_path / "file.onnx"
+    a_file.write_text("")
+    with pytest.raises(OSError, match="does not exist") as info:
+        ortfx.DebugOptions(save_onnx=save_onnx, onnx_prefix="m", save_path=missing)
+    assert str(info.value).startswith(f"cannot save ONNX models to {missing!r}: it does not exist.")
+    with pytest.raises(OSError, match=r"it is not a directory\. Pass an existing, writable"):
+        Options(save_onnx=save_onnx, onnx_prefix="m", save_path=str(a_file))
 
 
 def test_debug_options_validation_messages(tmp_path: Any) -> None:
@@ -123,11 +140,11 @@ def test_debug_options_validation_messages(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"^save_onnx=True needs a non-empty onnx_prefix"):
         ortfx.DebugOptions(save_onnx=True)
     missing = str(tmp_path / "missing")
-    with pytest.raises(OSError, match="does not exist or is not writable") as os_info:
+    with pytest.raises(OSError, match="does not exist") as os_info:
         ortfx.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=missing)
     assert str(os_info.value) == (
-        f"save_onnx=True but the directory {missing!r} does not exist or is not writable; "
-        "pass a writable save_path or set ORTMODULE_SAVE_ONNX_PATH."
+        f"cannot save ONNX models to {missing!r}: it does not exist. Pass an existing, writable "
+        "directory as DebugOptions(save_path=...) or ORTMODULE_SAVE_ONNX_PATH (or create it first)."
     )
 
 

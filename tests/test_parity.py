@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ortfx
+from ortfx.options import MAX_OPSET, MIN_OPSET
 from tests import models
 from tests.models import check_parity, max_diff
 
@@ -190,3 +193,23 @@ def test_cross_entropy_runs_as_log_softmax_and_gather() -> None:
     ops = {n.op_type for n in graph.node}
     assert "LogSoftmax" in ops and "GatherElements" in ops
     assert "SoftmaxCrossEntropyLoss" not in ops
+
+
+@pytest.mark.parametrize("opset", [MIN_OPSET, MAX_OPSET])
+def test_lowest_and_highest_accepted_opset_train_with_parity(opset: int, tmp_path: Path) -> None:
+    """Both ends of the accepted opset range export, build a gradient graph and match eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.LayerNorm(16), nn.Sigmoid(), nn.BatchNorm1d(16), nn.Linear(16, 4)
+    )
+    options = ortfx.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=str(tmp_path)).apply(
+        ortfx.Options(opset_version=opset, fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    )
+    wrapped = ortfx.ORTModule(model, options=options)
+    x = torch.randn(6, 8, requires_grad=True)
+    check_parity(model, (x,), loss=lambda y: (y * y).sum(), wrapped=wrapped)
+    exported = onnx.load(str(tmp_path / "m_torch_exported_training.onnx"))
+    assert [i.version for i in exported.opset_import if i.domain in ("", "ai.onnx")] == [opset]
+    assert ortfx.Options.from_env(environ={"ORTMODULE_ONNX_OPSET_VERSION": str(opset)}) == (
+        ortfx.Options(opset_version=opset)
+    )

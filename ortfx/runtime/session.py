@@ -18,9 +18,12 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from ortfx.errors import (
     CUDA_PROVIDER_MISSING,
+    EMPTY_TENSOR_TRAINING,
     ORT_MISSING,
+    UNSUPPORTED_LAYOUT,
     OrtfxDeviceError,
     OrtfxInitError,
+    OrtfxIOError,
     OrtfxRuntimeError,
 )
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -115,7 +118,11 @@ def session_options(options: Options, *, training: bool, deterministic: bool) ->
 def _capsule(tensor: torch.Tensor) -> tuple[Any, bool]:
     """A DLPack capsule for ORT and whether it carries a bool tensor."""
     tensor = tensor.detach()
-    if not tensor.is_contiguous():
+    if tensor.numel() == 0:
+        # torch calls every empty tensor contiguous whatever its strides (an expanded gradient
+        # has zeros); ORT's DLPack reader checks the strides: cross a fresh one.
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    elif not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.dtype is torch.bool:
         # ORT's DLPack reader has no bool type: cross as uint8 and flag it.
@@ -129,6 +136,39 @@ def _to_ort(vector: Any, tensor: torch.Tensor) -> None:
 
 def _ort_value(tensor: torch.Tensor) -> Any:
     return C.OrtValue.from_dlpack(*_capsule(tensor))
+
+
+def _where(info: PostExportProcessedModelInfo, k: int) -> tuple[str, str]:
+    """("input", leaf path) for a user input, (kind, graph name) for a parameter or buffer."""
+    spec = info.inputs[k]
+    if spec.kind is InputKind.USER and isinstance(spec.source, int):
+        return "input", info.input_schema.paths[spec.source]
+    return spec.kind.name.lower(), spec.name
+
+
+def _check_not_empty(
+    info: PostExportProcessedModelInfo, inputs: Sequence[torch.Tensor], slots: Sequence[int]
+) -> None:
+    """Raise before ORT's forward: its backward on an empty tensor fails or crashes."""
+    for k in slots:
+        if inputs[k].numel() == 0:
+            where, path = _where(info, k)
+            shape = list(inputs[k].shape)
+            raise OrtfxIOError(EMPTY_TENSOR_TRAINING.format(where=where, path=path, shape=shape))
+
+
+def _feed_error(
+    info: PostExportProcessedModelInfo, inputs: Sequence[torch.Tensor], error: Exception
+) -> Exception:
+    """Why ``inputs`` could not cross into ORT: a typed error for what ortfx can name (a
+    sparse or other non-dense tensor, which the fast path does not look at), else ``error``."""
+    for k, tensor in enumerate(inputs):
+        if tensor.layout is not torch.strided:
+            where, path = _where(info, k)
+            return OrtfxIOError(
+                UNSUPPORTED_LAYOUT.format(where=where, path=path, layout=tensor.layout)
+            )
+    return error
 
 
 def _to_torch(vector: Any) -> list[torch.Tensor]:
@@ -234,6 +274,8 @@ class TrainingRunner:
     # Graph inputs whose in-place change before backward must raise (all but the tensors the
     # graph itself updates, which ortfx writes right after the forward).
     guarded_inputs: tuple[int, ...] = ()
+    # The user inputs among the graph inputs (checked for empty tensors before ORT runs).
+    user_slots: tuple[int, ...] = ()
     # Set when ORT's compute optimizer failed on this graph and the build went without it.
     compute_optimizer_failure: str | None = None
 
@@ -243,10 +285,14 @@ class TrainingRunner:
         return {k: (str(v[0]), int(v[1])) for k, v in stat.items()}
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        _check_not_empty(self.info, inputs, self.user_slots)
         feeds = C.OrtValueVector()
         feeds.reserve(len(inputs))
-        for t in inputs:
-            _to_ort(feeds, t)
+        try:
+            for t in inputs:
+                _to_ort(feeds, t)
+        except Exception as e:
+            raise _feed_error(self.info, inputs, e) from e
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
         try:
@@ -369,6 +415,7 @@ def open_training(
         saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
         grad_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad),
         guarded_inputs=_guarded_inputs(info),
+        user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
         compute_optimizer_failure=failure,
     )
 
@@ -385,8 +432,11 @@ class InferenceRunner:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
-        for spec, tensor in zip(self.info.inputs, inputs, strict=True):
-            binding.bind_ortvalue_input(spec.name, _ort_value(tensor))
+        try:
+            for spec, tensor in zip(self.info.inputs, inputs, strict=True):
+                binding.bind_ortvalue_input(spec.name, _ort_value(tensor))
+        except Exception as e:
+            raise _feed_error(self.info, inputs, e) from e
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
         try:
