@@ -11,6 +11,10 @@ class OrtfxIOError(OrtfxError, TypeError):
     """An input or output of the module has a type ortfx cannot carry through the graph."""
 
 
+class OrtfxEmptyTensorError(OrtfxIOError):
+    """A call that needs gradients has an empty input: ortfx runs that one call in PyTorch."""
+
+
 class OrtfxDeviceError(OrtfxError, RuntimeError):
     """Parameters or inputs sit on devices that one ONNX Runtime session cannot serve."""
 
@@ -60,10 +64,8 @@ UNSUPPORTED_LAYOUT = (
 
 EMPTY_TENSOR_TRAINING = (
     "{where} {path} is empty (shape {shape}); ONNX Runtime 1.19's CPU gradient kernels reject "
-    "empty tensors (Gemm) or kill the process on them (Conv), so ortfx does not train on them "
-    "in ONNX Runtime. The default fallback policy (UNSUPPORTED_DATA) runs such a call in "
-    "PyTorch; otherwise skip empty batches, or run them under torch.no_grad(), which ONNX "
-    "Runtime serves."
+    "empty tensors (Gemm) or kill the process on them (Conv), so ortfx runs this call in "
+    "PyTorch, as PyTorch would; later calls with data run in ONNX Runtime as before"
 )
 
 DATA_PARALLEL = (

@@ -191,6 +191,10 @@ def tracer_baked(log: WrapperLog, found: tuple[str, ...], *, dynamic: bool) -> N
     )
 
 
+def empty_batch(log: WrapperLog, why: str) -> None:
+    log.log(logging.INFO, "%s", why)
+
+
 def exporter_switch(log: WrapperLog, error: Exception) -> None:
     log.log(logging.WARNING, errors.SWITCHING_TO_DYNAMO, error)
 

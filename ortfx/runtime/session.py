@@ -22,6 +22,7 @@ from ortfx.errors import (
     ORT_MISSING,
     UNSUPPORTED_LAYOUT,
     OrtfxDeviceError,
+    OrtfxEmptyTensorError,
     OrtfxInitError,
     OrtfxIOError,
     OrtfxRuntimeError,
@@ -154,7 +155,9 @@ def _check_not_empty(
         if inputs[k].numel() == 0:
             where, path = _where(info, k)
             shape = list(inputs[k].shape)
-            raise OrtfxIOError(EMPTY_TENSOR_TRAINING.format(where=where, path=path, shape=shape))
+            raise OrtfxEmptyTensorError(
+                EMPTY_TENSOR_TRAINING.format(where=where, path=path, shape=shape)
+            )
 
 
 def _feed_error(

@@ -33,6 +33,7 @@ from ortfx.errors import (
     OUTPUT_DTYPE_CHANGED,
     TOO_MANY_RECOVERIES,
     OrtfxDeviceError,
+    OrtfxEmptyTensorError,
     OrtfxError,
     OrtfxExportError,
     OrtfxIOError,
@@ -266,6 +267,13 @@ def call(
             return _in_torch(shell, module, args, kwargs)
     try:
         return run(shell, module, args, kwargs)
+    except OrtfxEmptyTensorError as error:
+        # Only this call: an empty batch says nothing about the next one.
+        logs.empty_batch(shell.log, str(error))
+        reason = f"{type(error).__name__}: {error}"
+        return _in_torch(
+            shell.with_state(note_fallback_call(shell.state, reason)), module, args, kwargs
+        )
     except OrtfxError as error:
         failed = attrs.evolve(shell, state=count_failure(shell.state))
         try:
