@@ -82,7 +82,10 @@ def plain() -> dict[str, Any]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {n: p.detach().tolist() for n, p in net.named_parameters()}}
+    return {
+        "losses": losses,
+        "weights": {n: p.detach().tolist() for n, p in net.named_parameters()},
+    }
 
 
 def gathered_weights(engine: Any) -> dict[str, Any]:
@@ -173,7 +176,9 @@ def main(out: str) -> None:
 
     # Before configure: a partitioned wrapper must say what to do, not trace DeepSpeed's hooks.
     engine, *_ = deepspeed.initialize(
-        model=ortfx.ORTModule(make_net(), options=ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)),
+        model=ortfx.ORTModule(
+            make_net(), options=ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+        ),
         config=config(world),
     )
     try:
@@ -187,10 +192,12 @@ def main(out: str) -> None:
     eager.pop("engine")
     results["eager"] = eager
 
-    zero3.configure_ort_compatible_zero_stage3()
     with tempfile.TemporaryDirectory() as tmp:
+        zero3.configure_ort_compatible_zero_stage3(debug=True, stats_output_dir=tmp)
         options = ortfx.Options(save_onnx=True, onnx_prefix="z3", save_path=tmp)
-        run = train(ortfx.ORTModule(make_net(), options=options), rank, world, check=protocol_checks)
+        run = train(
+            ortfx.ORTModule(make_net(), options=options), rank, world, check=protocol_checks
+        )
         engine = run.pop("engine")
         graph = onnx.load(os.path.join(tmp, "z3_torch_exported_training.onnx")).graph
         shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
@@ -210,10 +217,14 @@ def main(out: str) -> None:
         run["after_backward"] = protocol_checks(engine)
         engine.optimizer.zero_grad()
         run["transitions"] = [str(t) for t in ortfx.explain(engine.module)]
+        with open(os.path.join(tmp, f"zero3_rank{rank}.jsonl")) as f:
+            run["events"] = [json.loads(line) for line in f]
     results["ortfx"] = run
     del engine
 
     # Negative controls: broken protocols the checks above must catch.
+    zero3.configure_ort_compatible_zero_stage3()
+
     def assign_grads(engine: Any, loss: torch.Tensor) -> None:
         params = list(engine.module.parameters())
         grads = torch.autograd.grad(loss, params)

@@ -22,6 +22,7 @@ import collections
 import json
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import IO, Any
@@ -157,7 +158,7 @@ def check_partitioned(wrapper: torch.nn.Module, named_tensors: Mapping[str, torc
         ZERO3_NOT_CONFIGURED.format(
             count=len(partitioned),
             name=name,
-            full=list(first.ds_shape),  # type: ignore[attr-defined]
+            full=list(first.ds_shape),
             local=list(first.shape),
         )
     )
@@ -197,13 +198,13 @@ def _setup_zero_stage3_hooks(offload: Any) -> None:
 
 
 def _register_deepspeed_module(
-    offload: Any, module: torch.nn.Module, count: list[int] = [0]
-) -> None:  # noqa: B006 - DeepSpeed's signature
+    offload: Any, module: torch.nn.Module, *args: Any, **kwargs: Any
+) -> None:
     """``DeepSpeedZeRoOffload._register_deepspeed_module``: DeepSpeed calls it again after
     removing its hooks (e.g. ``unwrap_model_for_generation``); for an ORTModule root it
     (re)attaches the gather-all hooks."""
     if module is not offload.module or not _is_wrapper(module):
-        _originals["register"](offload, module, count)
+        _originals["register"](offload, module, *args, **kwargs)
         return
     gatherer = _gatherers.get(module)
     if gatherer is None:
@@ -257,7 +258,9 @@ class _Gatherer:
             if not grads:
                 self.end()  # eval, no_grad, or the forward raised: nothing will backward
                 return None
-            tied = _ReleaseAfterBackward.apply(_Pass(self), *(leaves[i] for i in grads))
+            tied = _ReleaseAfterBackward.apply(  # type: ignore[no-untyped-call]
+                _Pass(self), *(leaves[i] for i in grads)
+            )
             for i, t in zip(grads, tied, strict=True):
                 leaves[i] = t
             return io.unflatten(spec, leaves)
@@ -347,7 +350,8 @@ class _Pass:
         queue_after_backward(lambda: queue_after_backward(self.end))
 
     def __del__(self) -> None:
-        self.end()
+        if not sys.is_finalizing():  # at exit DeepSpeed may be half torn down: nothing to free
+            self.end()
 
 
 class _ReleaseAfterBackward(torch.autograd.Function):
@@ -409,4 +413,4 @@ def _stats_sink(settings: Settings) -> IO[str] | None:
     path = os.path.join(settings.stats_output_dir, f"zero3_rank{rank}.jsonl")
     if os.path.exists(path) and not settings.stats_overwrite:
         raise FileExistsError(STATS_FILE_EXISTS.format(path=path))
-    return open(path, "w")  # noqa: SIM115 - lives as long as the hooked wrapper
+    return open(path, "w")  # lives as long as the hooked wrapper
