@@ -596,3 +596,20 @@ def export(
             "outputs; this is an ortfx bug, please report it."
         )
     return Exported(info, time.perf_counter() - start, calls[0], flat.tracer_warnings)
+
+
+QUEUE_CALLBACK_MISSING = (
+    "this torch ({version}) no longer offers torch.autograd.Variable._execution_engine"
+    ".queue_callback, which ortfx uses to run code once the running backward pass has finished "
+    "(ZeRO-3 releases gathered parameters there); please report this with your torch version."
+)
+
+
+def queue_after_backward(callback: Any) -> None:
+    """Run ``callback()`` when the backward pass now running has finished, after every
+    gradient accumulation and every callback queued before it. Call it from inside backward."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise RuntimeError(QUEUE_CALLBACK_MISSING.format(version=torch.__version__))
+    queue(callback)

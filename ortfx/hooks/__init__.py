@@ -1,9 +1,14 @@
-"""Convergence tooling: activation statistics for PyTorch and ortfx runs (see docs/convergence.md).
+"""Hooks into ortfx's graph and into training frameworks.
+
+Convergence tooling: activation statistics for PyTorch and ortfx runs (see docs/convergence.md).
 
 ``GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(dir)])`` writes, per step, the
 summary of every module output and of its gradient; ``inspect_activation(name, tensor)`` adds any
 tensor; ``python -m ortfx.hooks.merge_activation_summary`` merges a PyTorch and an ortfx run and
 names the first divergence. The names are upstream ORTModule's, so scripts only change imports.
+
+DeepSpeed ZeRO stage 3: ``configure_ort_compatible_zero_stage3()`` before ``deepspeed.initialize``
+(see docs/zero3.md).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from ortfx.hooks.subscribers import (
     SubscriberBase,
     SubscriberManager,
 )
+from ortfx.hooks.zero3 import configure_ort_compatible_zero_stage3
 
 __all__ = [
     "GlobalSubscriberManager",
@@ -23,6 +29,7 @@ __all__ = [
     "StatisticsSubscriber",
     "SubscriberBase",
     "SubscriberManager",
+    "configure_ort_compatible_zero_stage3",
     "inspect_activation",
 ]
 

@@ -37,6 +37,21 @@ from ortfx.transitions import Stats, Transition
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
 _OWN = frozenset({"training", "_original_module", "_ortfx"})
 
+# Bookkeeping DeepSpeed writes on the modules it hooks, some on every forward
+# (ds_grads_remaining, applied_pre_backward_ref_cnt). Written on the wrapper, it is the
+# wrapper's own state: kept there, out of the user's module, so its forward cannot read it and
+# no graph depends on it. A name the user's module already has is forwarded (and invalidates).
+_HOOK_STATE_PREFIX = "ds_"
+_HOOK_STATE_NAMES = frozenset({"applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn"})
+
+
+def _hook_state(wrapper: torch.nn.Module, name: str) -> bool:
+    if not (name.startswith(_HOOK_STATE_PREFIX) or name in _HOOK_STATE_NAMES):
+        return False
+    return name in wrapper.__dict__ or not hasattr(
+        wrapper.__dict__["_modules"]["_original_module"], name
+    )
+
 
 class ORTModule(torch.nn.Module):
     """Runs ``module``'s forward and backward in ONNX Runtime; otherwise behaves like it.
@@ -161,7 +176,7 @@ class ORTModule(torch.nn.Module):
         return getattr(self.module, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN or name.startswith("_ortfx"):
+        if name in _OWN or name.startswith("_ortfx") or _hook_state(self, name):
             object.__setattr__(self, name, value)
             return
         with watch.muted(self.module):
@@ -169,7 +184,11 @@ class ORTModule(torch.nn.Module):
         self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
 
     def __delattr__(self, name: str) -> None:
-        if name in _OWN or name.startswith("_ortfx"):
+        if (
+            name in _OWN
+            or name.startswith("_ortfx")
+            or (_hook_state(self, name) and name in self.__dict__)
+        ):
             object.__delattr__(self, name)
             return
         with watch.muted(self.module):

@@ -344,6 +344,10 @@ def attempt(
     shell, tracked = track(shell, module)
     state = shell.state
     io.check_leaves(leaves, spec, root="call", where="input")
+    # ZeRO-3 partitioned parameters need ortfx's hooks; imported late: the hooks import this.
+    from ortfx.hooks.zero3 import check_partitioned
+
+    check_partitioned(module, tracked.named_tensors)
     fed, tensorized = _tensorize(shell, leaves, spec)
     call = make_call(fed, spec, _context(shell, module, tracked))
     _check_input_devices(fed, call.key.schema, tracked.device)

@@ -1,0 +1,417 @@
+"""DeepSpeed ZeRO stage 3 for ``ORTModule``, phase 1: gather every parameter around each step.
+
+DeepSpeed gathers a submodule's parameters from that submodule's forward hooks. ONNX Runtime
+runs the whole module as one graph, so those hooks never fire. After
+:func:`configure_ort_compatible_zero_stage3`, DeepSpeed hooks an ``ORTModule`` as one unit:
+
+* before the wrapper's forward, every partitioned parameter is all-gathered (the same order on
+  every rank: by ``ds_id``), so the graph is exported and run with the full shapes
+  (``ds_shape``), and DeepSpeed's ``F.linear`` replacement is suspended while it runs;
+* ORT's gradients reach the same ``nn.Parameter`` objects through ``AccumulateGrad`` (the
+  parameters are inputs of ortfx's autograd Function), so DeepSpeed's post-accumulate hooks
+  reduce-scatter them as in eager training;
+* the gathered parameters are released once the backward pass has finished (a callback on the
+  autograd engine, after DeepSpeed's own), or right after a forward nothing can backward through.
+
+Optimizer states and gradients stay partitioned; parameter memory does not (see docs/zero3.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+import attrs
+import torch
+
+from ortfx import io
+from ortfx.errors import OrtfxInitError
+from ortfx.export import queue_after_backward
+from ortfx.options import LogLevel
+from ortfx.runtime.logs import WrapperLog
+
+ZERO3_NOT_CONFIGURED = (
+    "the module wrapped by ortfx.ORTModule has {count} DeepSpeed ZeRO-3 partitioned "
+    "parameter(s) (first: {name!r}, full shape {full}, shape here {local}), but ortfx's ZeRO-3 "
+    "hooks are not installed on this wrapper. DeepSpeed gathers parameters from each "
+    "submodule's forward hooks, which never fire when ONNX Runtime runs the module as one graph. "
+    "Call ortfx.hooks.configure_ort_compatible_zero_stage3() before "
+    "deepspeed.initialize(model=ortfx.ORTModule(model), ...) (wrap first, then initialize)."
+)
+
+DEEPSPEED_MISSING = (
+    "ortfx.hooks.configure_ort_compatible_zero_stage3 needs DeepSpeed, which could not be "
+    "imported ({error}). Install it: DS_BUILD_OPS=0 pip install 'deepspeed==0.19.8' (on a CPU "
+    "machine also set DS_ACCELERATOR=cpu when running)."
+)
+
+DEEPSPEED_MOVED = (
+    "DeepSpeed {version} has no {name}, which ortfx's ZeRO-3 hooks replace; ortfx supports "
+    "DeepSpeed 0.19.x. Install deepspeed==0.19.8 or report the new name."
+)
+
+LINEAR_ORIGINAL_MISSING = (
+    "DeepSpeed replaced torch.nn.functional.linear with its ZeRO-3 version but did not keep the "
+    "original (InsertPostInitMethodToModuleSubClasses.linear_bk), so ortfx cannot export the "
+    "module with the plain F.linear; ortfx supports DeepSpeed 0.19.x."
+)
+
+STATS_FILE_EXISTS = (
+    "ZeRO-3 statistics file {path!r} exists; pass stats_overwrite=True to "
+    "configure_ort_compatible_zero_stage3 to replace it, or choose another stats_output_dir."
+)
+
+NOT_INSTALLED = (
+    "{type_name} has no ortfx ZeRO-3 hooks; pass the ortfx.ORTModule that "
+    "deepspeed.initialize(model=...) was given after configure_ort_compatible_zero_stage3() "
+    "(or the engine itself)."
+)
+
+
+@attrs.frozen
+class Settings:
+    """What :func:`configure_ort_compatible_zero_stage3` was called with."""
+
+    debug: bool = False
+    stats_output_dir: str | None = None
+    stats_overwrite: bool = False
+
+
+@attrs.frozen
+class Zero3Stats:
+    """Counters of one wrapper's gather-all protocol (the test and benchmark seam)."""
+
+    forwards: int = 0  # forwards that ran under the protocol
+    gathers: int = 0  # all-gathers (each of every parameter that was partitioned)
+    releases: int = 0  # releases (each of everything a gather brought in)
+    gathered_elements: int = 0  # parameter elements all-gathered, summed over gathers
+    held_elements: int = 0  # parameter elements this wrapper holds gathered now
+    peak_elements: int = 0  # the most it held at once
+    live: int = 0  # forwards whose backward has not finished (or whose outputs are alive)
+
+
+# Set by configure_ort_compatible_zero_stage3; None until then.
+_settings: Settings | None = None
+# DeepSpeedZeRoOffload's own methods, kept to serve modules that are not ORTModules.
+_originals: dict[str, Callable[..., Any]] = {}
+# The protocol state of each hooked wrapper.
+_gatherers: weakref.WeakKeyDictionary[torch.nn.Module, _Gatherer] = weakref.WeakKeyDictionary()
+
+
+def configure_ort_compatible_zero_stage3(
+    debug: bool = False, stats_output_dir: str | None = None, stats_overwrite: bool = False
+) -> None:
+    """Make DeepSpeed ZeRO stage 3 hook an ``ortfx.ORTModule`` as one unit. Call it before
+    ``deepspeed.initialize(model=ortfx.ORTModule(model), config=...)``.
+
+    ``debug`` logs each gather and release (the ``ortfx`` logger, INFO). With
+    ``stats_output_dir`` (and ``debug``) each rank also appends them as JSON lines to
+    ``<stats_output_dir>/zero3_rank<rank>.jsonl``; ``stats_overwrite`` replaces an existing
+    file instead of raising. Calling it again replaces the settings; other modules keep
+    DeepSpeed's own hooks.
+    """
+    global _settings
+    try:
+        import deepspeed
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    except ImportError as e:
+        raise OrtfxInitError(DEEPSPEED_MISSING.format(error=e)) from e
+    for name in ("setup_zero_stage3_hooks", "_register_deepspeed_module"):
+        if not hasattr(DeepSpeedZeRoOffload, name):
+            raise OrtfxInitError(DEEPSPEED_MOVED.format(version=deepspeed.__version__, name=name))
+    if not _originals:
+        _originals["setup"] = DeepSpeedZeRoOffload.setup_zero_stage3_hooks
+        _originals["register"] = DeepSpeedZeRoOffload._register_deepspeed_module
+        DeepSpeedZeRoOffload.setup_zero_stage3_hooks = _setup_zero_stage3_hooks
+        DeepSpeedZeRoOffload._register_deepspeed_module = _register_deepspeed_module
+    _settings = Settings(debug, stats_output_dir, stats_overwrite)
+
+
+def stats(model: torch.nn.Module) -> Zero3Stats:
+    """The ZeRO-3 counters of ``model`` (the ``ORTModule``, or the DeepSpeed engine around it)."""
+    return _gatherer_of(model).stats
+
+
+def release_gathered(model: torch.nn.Module) -> None:
+    """Release what ``model`` holds gathered now, e.g. after a training-mode forward that will
+    never be backwarded (eval and ``no_grad`` forwards release by themselves). A backward
+    through a forward whose parameters were released this way is wrong: do not run one."""
+    _gatherer_of(model).release()
+
+
+def check_partitioned(module: torch.nn.Module, named_tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`~ortfx.OrtfxInitError` if the wrapped ``module``'s parameters are ZeRO-3
+    partitioned but this protocol is not installed on its wrapper. Cheap; the call path runs it
+    before exporting."""
+    if any(getattr(w, "module", None) is module for w in list(_gatherers)):
+        return
+    partitioned = [(n, t) for n, t in named_tensors.items() if hasattr(t, "ds_shape")]
+    if not partitioned:
+        return
+    name, first = partitioned[0]
+    raise OrtfxInitError(
+        ZERO3_NOT_CONFIGURED.format(
+            count=len(partitioned),
+            name=name,
+            full=list(first.ds_shape),
+            local=list(first.shape),
+        )
+    )
+
+
+def _gatherer_of(model: torch.nn.Module) -> _Gatherer:
+    wrapper = getattr(model, "module", None) if model not in _gatherers else model
+    gatherer = _gatherers.get(wrapper) if wrapper is not None else None
+    if gatherer is None:
+        raise TypeError(NOT_INSTALLED.format(type_name=type(model).__qualname__))
+    return gatherer
+
+
+# ---- the DeepSpeed side: DeepSpeedZeRoOffload's hook setup, replaced for ORTModules -------------
+
+
+def _is_wrapper(module: torch.nn.Module) -> bool:
+    from ortfx.runtime.module import ORTModule  # the call path imports this module lazily
+
+    return isinstance(module, ORTModule)
+
+
+def _setup_zero_stage3_hooks(offload: Any) -> None:
+    """``DeepSpeedZeRoOffload.setup_zero_stage3_hooks``: for an ORTModule, no per-submodule
+    hooks and no trace of submodules (ORT runs none of them); the gather-all hooks instead."""
+    if not _is_wrapper(offload.module):
+        _originals["setup"](offload)
+        return
+    from deepspeed.runtime.zero import parameter_offload
+
+    offload.hierarchy = 0
+    # DeepSpeed removes this handle on destroy(); the step reset it stands for has no trace here.
+    offload.fwd_pre_hook = torch.utils.hooks.RemovableHandle(collections.OrderedDict())
+    offload._register_deepspeed_module(offload.module)
+    # As DeepSpeed does: a parameter reached outside any hooked forward is charged to the root.
+    parameter_offload.FWD_MODULE_STACK.append(offload.module)
+
+
+def _register_deepspeed_module(
+    offload: Any, module: torch.nn.Module, *args: Any, **kwargs: Any
+) -> None:
+    """``DeepSpeedZeRoOffload._register_deepspeed_module``: DeepSpeed calls it again after
+    removing its hooks (e.g. ``unwrap_model_for_generation``); for an ORTModule root it
+    (re)attaches the gather-all hooks."""
+    if module is not offload.module or not _is_wrapper(module):
+        _originals["register"](offload, module, *args, **kwargs)
+        return
+    gatherer = _gatherers.get(module)
+    if gatherer is None:
+        gatherer = _Gatherer(module, _settings or Settings())
+        _gatherers[module] = gatherer
+    offload.forward_hooks.extend(gatherer.attach())
+
+
+# ---- the protocol ----------------------------------------------------------------------------
+
+
+class _Gatherer:
+    """One wrapper's gather-all state: what it holds gathered and how many forwards use it."""
+
+    def __init__(self, wrapper: torch.nn.Module, settings: Settings) -> None:
+        unique = {id(p): p for p in wrapper.parameters()}.values()
+        # Sorted by DeepSpeed's id: collectives must run in the same order on every rank.
+        self.params = tuple(sorted(unique, key=lambda p: p.ds_id))  # type: ignore[attr-defined]
+        self.wrapper = weakref.ref(wrapper)
+        self.held: tuple[torch.nn.Parameter, ...] = ()
+        self.live = 0
+        self.stats = Zero3Stats()
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.log = WrapperLog(LogLevel.INFO if settings.debug else LogLevel.WARNING)
+        self.sink = _stats_sink(settings) if settings.debug else None
+
+    def attach(self) -> list[torch.utils.hooks.RemovableHandle]:
+        for handle in self.handles:
+            handle.remove()
+        wrapper = self.wrapper()
+        assert wrapper is not None
+        self.handles = [
+            wrapper.register_forward_pre_hook(self._pre_forward),
+            wrapper.register_forward_hook(self._post_forward, always_call=True),
+        ]
+        return self.handles
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        # Counted first: if anything here raises, the always-called post hook undoes both.
+        self.live += 1
+        self.stats = attrs.evolve(self.stats, forwards=self.stats.forwards + 1, live=self.live)
+        _plain_linear.enter()
+        self.gather()
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        try:
+            leaves, spec = io.flatten(output)
+            grads = [
+                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+            ]
+            if not grads:
+                self.end()  # eval, no_grad, or the forward raised: nothing will backward
+                return None
+            tied = _ReleaseAfterBackward.apply(  # type: ignore[no-untyped-call]
+                _Pass(self), *(leaves[i] for i in grads)
+            )
+            for i, t in zip(grads, tied, strict=True):
+                leaves[i] = t
+            return io.unflatten(spec, leaves)
+        finally:
+            _plain_linear.exit()
+
+    def gather(self) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        missing = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]  # type: ignore[attr-defined]
+        if not missing:
+            return
+        missing[0].all_gather(param_list=missing)  # type: ignore[attr-defined]
+        self.held = (*self.held, *missing)
+        elements = sum(p.ds_numel for p in missing)  # type: ignore[attr-defined]
+        held = self.stats.held_elements + elements
+        self.stats = attrs.evolve(
+            self.stats,
+            gathers=self.stats.gathers + 1,
+            gathered_elements=self.stats.gathered_elements + elements,
+            held_elements=held,
+            peak_elements=max(self.stats.peak_elements, held),
+        )
+        self._note("gather", len(missing), elements)
+
+    def end(self) -> None:
+        """One forward no longer needs the parameters; the last one out releases them."""
+        self.live -= 1
+        self.stats = attrs.evolve(self.stats, live=self.live)
+        if self.live == 0:
+            self.release()
+
+    def release(self) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        # Persistent parameters stay gathered, as DeepSpeed keeps them; parameters someone else
+        # released meanwhile (engine.step partitions everything) need nothing.
+        drop = [
+            p
+            for p in self.held
+            if p.ds_status is ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)  # type: ignore[attr-defined]
+        ]
+        self.held = ()
+        elements = sum(p.ds_numel for p in drop)  # type: ignore[attr-defined]
+        if drop:
+            drop[0].partition(param_list=drop)  # type: ignore[attr-defined]
+        self.stats = attrs.evolve(self.stats, releases=self.stats.releases + 1, held_elements=0)
+        self._note("release", len(drop), elements)
+
+    def _note(self, event: str, params: int, elements: int) -> None:
+        self.log.log(
+            logging.INFO,
+            "ZeRO-3 %s of %d parameter(s), %d element(s) (forward %d, %d live)",
+            event,
+            params,
+            elements,
+            self.stats.forwards,
+            self.live,
+        )
+        if self.sink is not None:
+            record = {
+                "event": event,
+                "forward": self.stats.forwards,
+                "params": params,
+                "elements": elements,
+                "live": self.live,
+            }
+            self.sink.write(json.dumps(record) + "\n")
+            self.sink.flush()
+
+
+class _Pass:
+    """One forward whose outputs can be backwarded. It ends exactly once: after its backward
+    pass has finished, or when its outputs are freed without one."""
+
+    def __init__(self, gatherer: _Gatherer) -> None:
+        self._gatherer: _Gatherer | None = gatherer
+
+    def end(self) -> None:
+        gatherer, self._gatherer = self._gatherer, None
+        if gatherer is not None:
+            gatherer.end()
+
+    def end_after_backward(self) -> None:
+        # Two hops: the second callback runs after every callback queued during the backward
+        # pass, DeepSpeed's end-of-backward gradient epilogue included.
+        queue_after_backward(lambda: queue_after_backward(self.end))
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():  # at exit DeepSpeed may be half torn down: nothing to free
+            self.end()
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity on the wrapper's outputs; its backward (the first node to run) schedules the
+    release for after the whole backward pass, every ``AccumulateGrad`` included."""
+
+    @staticmethod
+    def forward(ctx: Any, token: _Pass, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.token = token
+        ctx.set_materialize_grads(False)  # unused outputs stay None for ortfx's backward
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.token.end_after_backward()
+        return (None, *grads)
+
+
+class _PlainLinear:
+    """Suspends DeepSpeed's ``F.linear`` replacement while wrappers run (nesting counted): the
+    exporter must trace the plain op, and ortfx's PyTorch fallback must not re-gather."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved: Callable[..., Any] | None = None
+
+    def enter(self) -> None:
+        self.depth += 1  # even if this raises: exit() always follows
+        if self.depth > 1:
+            return
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+        from deepspeed.runtime.zero.partition_parameters import (
+            InsertPostInitMethodToModuleSubClasses as Replacer,
+        )
+
+        functional = torch.nn.functional
+        if functional.linear is zero3_linear_wrap:
+            original = getattr(Replacer, "linear_bk", None)
+            if original is None:
+                raise OrtfxInitError(LINEAR_ORIGINAL_MISSING)
+            self.saved = functional.linear
+            functional.linear = original
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.saved is not None:
+            torch.nn.functional.linear = self.saved
+            self.saved = None
+
+
+_plain_linear = _PlainLinear()
+
+
+def _stats_sink(settings: Settings) -> IO[str] | None:
+    if settings.stats_output_dir is None:
+        return None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    os.makedirs(settings.stats_output_dir, exist_ok=True)
+    path = os.path.join(settings.stats_output_dir, f"zero3_rank{rank}.jsonl")
+    if os.path.exists(path) and not settings.stats_overwrite:
+        raise FileExistsError(STATS_FILE_EXISTS.format(path=path))
+    return open(path, "w")  # lives as long as the hooked wrapper

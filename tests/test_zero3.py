@@ -1,0 +1,269 @@
+"""ZeRO-3 with real DeepSpeed: 1 and 2 ranks (gloo on 127.0.0.1) train through ortfx as plain
+PyTorch and eager DeepSpeed do; the gather-all protocol gathers and releases in pairs.
+
+Each world size is one launch of ``tests/zero3_worker.py`` per rank, running every scenario;
+DeepSpeed must be installed (the ``test`` extra): a missing one fails here, it is not skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from ortfx.hooks import zero3
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-6
+TIMEOUT = 300  # seconds per launch; a hung collective fails instead of blocking the suite
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _launch(world: int) -> list[dict[str, Any]]:
+    """Start one worker process per rank, wait (bounded), check exit codes, read results."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "DS_ACCELERATOR": "cpu",
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+            }
+            log = open(os.path.join(tmp, f"log{rank}.txt"), "w")  # noqa: SIM115 - closed below
+            out = os.path.join(tmp, f"out{rank}.json")
+            cmd = [sys.executable, "-m", "tests.zero3_worker", out]
+            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), log))
+        codes = []
+        for proc, log in procs:
+            try:
+                codes.append(proc.wait(timeout=TIMEOUT))
+            except subprocess.TimeoutExpired:
+                for other, _ in procs:
+                    other.kill()
+                codes.append(None)
+            finally:
+                log.close()
+        if codes != [0] * world:
+            logs = ""
+            for r, c in enumerate(codes):
+                with open(os.path.join(tmp, f"log{r}.txt")) as f:
+                    logs += f"--- rank {r} (exit {c}) ---\n{f.read()[-4000:]}\n"
+            pytest.fail(f"ZeRO-3 worker launch with {world} rank(s) failed:\n{logs}")
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"out{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return _launch(request.param)
+
+
+def _problems(runs: list[dict[str, Any]], reference: dict[str, Any]) -> list[str]:
+    """How a run (one result per rank) differs from ``reference`` beyond TOLERANCE; its error
+    if it raised. Empty means parity."""
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        return errors
+    problems = []
+    # Each rank's loss is the mean over its shard; their mean is the full-batch mean.
+    losses = np.mean([r["losses"] for r in runs], axis=0)
+    loss_diff = float(np.max(np.abs(losses - np.array(reference["losses"]))))
+    if loss_diff > TOLERANCE:
+        problems.append(f"losses differ by {loss_diff:.3g}")
+    for rank, run in enumerate(runs):
+        for name, want in reference["weights"].items():
+            diff = float(np.max(np.abs(np.array(run["weights"][name]) - np.array(want))))
+            if diff > TOLERANCE:
+                problems.append(f"rank {rank}: {name} differs by {diff:.3g}")
+    return problems
+
+
+def test_deepspeed_is_installed() -> None:
+    """The test extra installs DeepSpeed 0.19 (this fails loudly where it is missing)."""
+    assert importlib.metadata.version("deepspeed").startswith("0.19.")
+
+
+def test_parity_with_plain_pytorch_and_eager_deepspeed(ranks: list[dict[str, Any]]) -> None:
+    """10 steps through ortfx under ZeRO-3 match plain PyTorch on the full batch and eager
+    DeepSpeed ZeRO-3 (losses and final gathered weights) within 1e-6."""
+    plain = ranks[0]["plain"]
+    eager = [r["eager"] for r in ranks]
+    ours = [r["ortfx"] for r in ranks]
+    assert _problems(eager, plain) == []  # the reference itself
+    assert _problems(ours, plain) == []
+    eager_mean = {**eager[0], "losses": np.mean([e["losses"] for e in eager], axis=0)}
+    assert _problems(ours, eager_mean) == []
+
+
+def test_every_gather_is_released_and_nothing_reexports(ranks: list[dict[str, Any]]) -> None:
+    """After each step every parameter is partitioned, each gather had its release, no forward
+    is pending, and the module was exported once."""
+    for r in ranks:
+        for step, check in enumerate(r["ortfx"]["checks"], start=1):
+            assert check == {
+                "partitioned": True,
+                "gathers": step,
+                "releases": step,
+                "live": 0,
+                "held": 0,
+                "exports": 1,
+            }
+        assert r["ortfx"]["transitions"] == [
+            "export: module was never exported, now called (first call)"
+        ]
+        # DeepSpeed's bookkeeping stays on the wrapper and did not invalidate the graph.
+        assert r["ortfx"]["hook_state_on_wrapper"] == ["ds_inflight_param_registry"]
+
+
+def test_debug_statistics_pair_every_gather_with_its_release(ranks: list[dict[str, Any]]) -> None:
+    """With debug and stats_output_dir, each rank writes one line per gather and release."""
+    for r in ranks:
+        events = r["ortfx"]["events"]
+        assert [e["event"] for e in events] == ["gather", "release"] * 12
+        # 612 = every element of Net, gathered whole and released whole each time.
+        assert {(e["params"], e["elements"]) for e in events} == {(7, 612)}
+
+
+def test_eval_releases_at_once_training_forward_holds_until_backward(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        run = r["ortfx"]
+        assert run["after_no_grad"]["partitioned"] and run["after_no_grad"]["live"] == 0
+        between = run["between"]
+        assert not between["partitioned"] and between["live"] == 1
+        assert between["gathers"] == between["releases"] + 1
+        assert run["after_backward"] == {
+            **between,
+            "partitioned": True,
+            "releases": between["gathers"],
+            "live": 0,
+            "held": 0,
+        }
+
+
+def test_graph_inputs_have_the_full_shapes(ranks: list[dict[str, Any]]) -> None:
+    """The exported graph's parameter inputs have ``ds_shape``, not the partitioned (0,)."""
+    for r in ranks:
+        for name, (graph, full) in r["ortfx"]["graph_shapes"].items():
+            assert graph == full, name
+
+
+def test_unconfigured_wrapper_says_what_to_do(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["unconfigured"]["error"] == zero3.ZERO3_NOT_CONFIGURED.format(
+            count=7, name="emb.weight", full=[16, 8], local=[0]
+        )
+
+
+@pytest.mark.parametrize(
+    ("control", "because"),
+    [
+        # p.grad written directly: DeepSpeed's post-accumulate hooks never run.
+        ("grad_assign", "unknown parameter type"),
+        # released between forward and backward: ORT's full-size gradients meet (0,) parameters.
+        ("early_release", "The size of tensor a (0) must match"),
+    ],
+)
+def test_negative_controls_fail(ranks: list[dict[str, Any]], control: str, because: str) -> None:
+    """Broken protocols do not pass the parity check, so the checks above can fail."""
+    runs = [r[control] for r in ranks]
+    problems = _problems(runs, ranks[0]["plain"])
+    assert problems
+    assert all(because in p for p in problems), problems
+
+
+# ---- in-process: no DeepSpeed launch needed ------------------------------------------------
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_deepspeed_bookkeeping_attributes_do_not_invalidate() -> None:
+    """ds_* and DeepSpeed's per-forward counters set on the wrapper stay on it (the user's
+    forward cannot read them) and keep the graph; other attributes still invalidate."""
+    model = ortfx.ORTModule(_Scaled())
+    x = torch.randn(4, 3)
+    model(x)
+    for value in range(3):
+        model.ds_grads_remaining = value
+        model.applied_pre_backward_ref_cnt = value
+        model(x)
+    assert model.ds_grads_remaining == 2 and "ds_grads_remaining" not in vars(model.module)
+    assert ortfx.stats(model).exports == 1
+    del model.ds_grads_remaining
+    assert not hasattr(model, "ds_grads_remaining")
+    model.scale = 2.0  # the forward reads it: re-export, and the new value is used
+    torch.testing.assert_close(model(x), model.module.lin(x) * 2.0)
+    assert ortfx.stats(model).exports == 2
+
+
+def test_a_ds_attribute_the_module_has_is_still_forwarded() -> None:
+    inner = _Scaled()
+    inner.ds_scale = 1.0  # type: ignore[assignment]
+    model = ortfx.ORTModule(inner)
+    model(torch.randn(4, 3))
+    model.ds_scale = 3.0
+    assert inner.ds_scale == 3.0
+    assert ortfx.stats(model).exports == 1
+    model(torch.randn(4, 3))
+    assert ortfx.stats(model).exports == 2
+
+
+def test_partitioned_parameters_without_the_hooks_raise() -> None:
+    """A parameter carrying ZeRO-3's ds_shape in a wrapper without the hooks is an error, not
+    an export of a (0,)-shaped weight."""
+    inner = _Scaled()
+    inner.lin.weight.ds_shape = inner.lin.weight.shape  # type: ignore[attr-defined]
+    model = ortfx.ORTModule(inner)
+    with pytest.raises(ortfx.OrtfxInitError) as info:
+        model(torch.randn(4, 3))
+    assert str(info.value) == zero3.ZERO3_NOT_CONFIGURED.format(
+        count=1, name="lin.weight", full=[2, 3], local=[2, 3]
+    )
+    assert ortfx.stats(model).exports == 0
+
+
+def test_statistics_file_is_not_overwritten_unless_asked(tmp_path: Any) -> None:
+    settings = zero3.Settings(debug=True, stats_output_dir=str(tmp_path))
+    sink = zero3._stats_sink(settings)
+    assert sink is not None
+    sink.close()
+    with pytest.raises(FileExistsError, match="stats_overwrite=True"):
+        zero3._stats_sink(settings)
+    again = zero3._stats_sink(zero3.Settings(True, str(tmp_path), stats_overwrite=True))
+    assert again is not None
+    again.close()
