@@ -23,8 +23,10 @@ from ortfx.errors import (
     OrtfxInitError,
     OrtfxRuntimeError,
 )
+from ortfx.export import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
+from ortfx.runtime import pythonop
 
 try:
     import onnxruntime as ort
@@ -138,7 +140,11 @@ def _to_torch(vector: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> OrtfxRuntimeError:
+def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> BaseException:
+    # A custom autograd.Function raised inside the graph: the user gets that exception.
+    original = pythonop.take_error()
+    if original is not None:
+        return original
     first = _first_line(error)
     shapes = ", ".join(str(list(t.shape)) for t in inputs)
     return OrtfxRuntimeError(
@@ -203,6 +209,7 @@ class TrainingRunner:
         """``memory`` is (probe config, plan strings) to turn the memory optimizer on."""
         require_ort()
         self.info = info
+        pythonop.prepare(pythonop_functions(info.model))
         start = time.perf_counter()
         config = C.OrtModuleGraphBuilderConfiguration()
         config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
@@ -301,7 +308,8 @@ class TrainingRunner:
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
         try:
-            self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+            with pythonop.training_run():
+                self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
         except Exception as e:
             raise _run_failed("forward", inputs, e) from e
         return _to_torch(fetches), run_state
@@ -345,6 +353,7 @@ class InferenceRunner:
     ) -> None:
         require_ort()
         self.info = info
+        pythonop.prepare(pythonop_functions(info.model))
         start = time.perf_counter()
         providers, _ = _providers(device)
         so = session_options(options, training=False, deterministic=deterministic)
