@@ -20,7 +20,9 @@ import io as _io
 import os
 import random
 import re
+import sys
 import time
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -202,28 +204,51 @@ def _is_custom(cls: type) -> bool:
     return not cls.__module__.startswith("ortfx.")
 
 
+# The innermost running export's record of the custom Functions it met.
+_RECORDING: list[dict[str, type]] = []
+_APPLY_CODE = torch.autograd.Function.__dict__["apply"].__func__.__code__
+
+
+def _record(cls: type) -> None:
+    if _RECORDING and _is_custom(cls):
+        _RECORDING[-1].setdefault(function_graph_name(cls), cls)
+
+
 @contextlib.contextmanager
-def functions_called() -> Iterator[dict[str, type]]:
-    """Record every custom ``torch.autograd.Function`` applied while the block runs."""
+def functions_called(*, profile: bool) -> Iterator[dict[str, type]]:
+    """Record the custom ``torch.autograd.Function`` classes an export meets.
+
+    The TorchScript exporter reports each one to the ``prim::PythonOp`` symbolic. Exporters that
+    inline Functions silently are watched with ``profile=True``: a profile hook sees every call
+    of ``Function.apply``, however the user bound it (``f = MyFunction.apply`` included).
+    """
     found: dict[str, type] = {}
-    original = torch.autograd.Function.__dict__["apply"]
+    _RECORDING.append(found)
+    previous = sys.getprofile()
 
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if _is_custom(cls):
-            found.setdefault(function_graph_name(cls), cls)
-        return original.__func__(cls, *args, **kwargs)
+    def hook(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is _APPLY_CODE:
+            cls = frame.f_locals.get("cls")
+            if isinstance(cls, type):
+                _record(cls)
+        if previous is not None:
+            previous(frame, event, arg)
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    if profile:
+        sys.setprofile(hook)
     try:
         yield found
     finally:
-        torch.autograd.Function.apply = original  # type: ignore[method-assign]
+        if profile:
+            sys.setprofile(previous)
+        _RECORDING.pop()
 
 
 def _pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
     """``prim::PythonOp`` -> ``com.microsoft::PythonOp`` with the attributes ORT 1.19 reads."""
     node = g.original_node
     cls = node.pyobj().__self__
+    _record(cls)
     cconv = node.cconv()
     tensors: list[Any] = []
     attributes: dict[str, Any] = {"input_tensor_types_i": [], "input_tensor_ranks_i": []}
@@ -453,18 +478,24 @@ def export(
     tensors = tuple(leaves[i].detach() for i in positions)
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
+    dynamo = exporter is _export_dynamo
     try:
         with (
             preserved_random_state(),
             torch.no_grad(),
             checkpoints_traced_directly() as calls,
-            functions_called() as functions,
+            functions_called(profile=dynamo) as functions,
         ):
-            model = exporter(flat, tensors, input_names, options.opset_version)
+            try:
+                model = exporter(flat, tensors, input_names, options.opset_version)
+            except Exception:
+                if not (dynamo and functions):
+                    raise
             if functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(CUSTOM_FUNCTIONS_DISABLED.format(names=_names(functions)))
-            if functions and exporter is _export_dynamo:
-                # The dynamo exporter inlines Functions: only the TorchScript one keeps them.
+            if functions and dynamo:
+                # The dynamo exporter inlines Functions (their backward would be lost): only
+                # the TorchScript exporter keeps them, as PythonOp nodes.
                 flat = _FlatCall(module, leaves, schema)
                 calls[0] = 0
                 model = _export_torchscript(flat, tensors, input_names, options.opset_version)

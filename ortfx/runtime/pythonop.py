@@ -65,7 +65,9 @@ class _Kept:
 
 _KERNELS: dict[str, _Kernel] = {}
 _CONTEXTS: dict[int, _Kept] = {}  # id(ctx) -> outputs and leaves, until backward
-_LOCAL = threading.local()  # .training: a forward that a backward will follow; .error
+# .training: the kept-context list of the ORT training forward running on this thread, or None;
+# .error: the exception a runner raised.
+_LOCAL = threading.local()
 _LOCK = threading.Lock()
 _registered: list[str] = []  # function names already handed to ORT
 _bridge: Any = None
@@ -84,14 +86,27 @@ def take_error() -> BaseException | None:
 
 
 @contextlib.contextmanager
-def training_run() -> Iterator[None]:
-    """Mark an ORT forward whose backward will follow: only then are contexts kept."""
-    before = getattr(_LOCAL, "training", False)
-    _LOCAL.training = True
+def training_run() -> Iterator[list[int]]:
+    """Mark an ORT forward that a backward may follow: only then are contexts kept.
+
+    Yields the list of kept contexts (ids); pass it to :func:`release` when the forward's run
+    state dies, so a forward whose backward never runs (an eval-mode training graph, an unused
+    output) releases them too.
+    """
+    before = getattr(_LOCAL, "training", None)
+    kept: list[int] = []
+    _LOCAL.training = kept
     try:
-        yield
+        yield kept
     finally:
         _LOCAL.training = before
+
+
+def release(contexts: Sequence[int]) -> None:
+    """Drop what the given forward contexts kept, if their backward has not done so."""
+    with _LOCK:
+        for key in contexts:
+            _CONTEXTS.pop(key, None)
 
 
 def _shares_memory(tensor: torch.Tensor, others: Sequence[torch.Tensor | None]) -> bool:
@@ -146,7 +161,8 @@ def _forward(
     args: tuple[Any, ...],
 ) -> list[Any]:
     kernel = _KERNELS.setdefault(invoke_id, _Kernel())
-    training = bool(getattr(_LOCAL, "training", False))
+    run: list[int] | None = getattr(_LOCAL, "training", None)
+    training = run is not None
     owned: list[torch.Tensor | None] = []  # ORT's buffers, as given
     leaves: list[torch.Tensor | None] = []
     call: list[Any] = []
@@ -192,6 +208,8 @@ def _forward(
     if training and node is not None:
         with _LOCK:
             _CONTEXTS[id(node)] = _Kept(tuple(outputs), tuple(leaves))
+        assert run is not None
+        run.append(id(node))
         result[0] = node
     result.extend(_capsule(o, owned) for o in outputs)
     return result

@@ -193,6 +193,24 @@ def _build_gradient(
     return builder
 
 
+class ForwardRun:
+    """ORT's partial-run state of one training forward, and the PythonOp contexts it kept.
+
+    Dropping it (after backward, or when autograd frees a graph whose backward never ran)
+    releases those contexts.
+    """
+
+    __slots__ = ("contexts", "state")
+
+    def __init__(self, state: Any, contexts: list[int]) -> None:
+        self.state = state
+        self.contexts = contexts
+
+    def __del__(self) -> None:
+        if self.contexts:
+            pythonop.release(self.contexts)
+
+
 class TrainingRunner:
     """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later."""
 
@@ -307,16 +325,17 @@ class TrainingRunner:
             _to_ort(feeds, t)
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
-        try:
-            with pythonop.training_run():
+        with pythonop.training_run() as contexts:
+            try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
-        except Exception as e:
-            raise _run_failed("forward", inputs, e) from e
-        return _to_torch(fetches), run_state
+            except Exception as e:
+                pythonop.release(contexts)
+                raise _run_failed("forward", inputs, e) from e
+        return _to_torch(fetches), ForwardRun(run_state, contexts)
 
     def backward(
         self,
-        run_state: Any,
+        run_state: ForwardRun,
         grad_outputs: Sequence[torch.Tensor | None],
         outputs_meta: Sequence[tuple[torch.Size, torch.dtype, torch.device]],
     ) -> list[torch.Tensor]:
@@ -333,7 +352,7 @@ class TrainingRunner:
             _to_ort(feeds, grad)
         fetches = C.OrtValueVector()
         try:
-            self.agent.run_backward(feeds, fetches, run_state)
+            self.agent.run_backward(feeds, fetches, run_state.state)
         except Exception as e:
             raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
         return _to_torch(fetches)
