@@ -226,7 +226,7 @@ def functions_called(*, profile: bool) -> Iterator[dict[str, type]]:
     _RECORDING.append(found)
     previous = sys.getprofile()
 
-    def hook(frame: types.FrameType, event: str, arg: Any) -> None:
+    def hook(frame: types.FrameType, event: Any, arg: Any) -> None:
         if event == "call" and frame.f_code is _APPLY_CODE:
             cls = frame.f_locals.get("cls")
             if isinstance(cls, type):
@@ -314,7 +314,9 @@ _symbolic_registered: list[bool] = []
 
 def _register_pythonop_symbolic() -> None:
     if not _symbolic_registered:
-        torch.onnx.register_custom_op_symbolic("prim::PythonOp", _pythonop_symbolic, 1)
+        torch.onnx.register_custom_op_symbolic(  # type: ignore[attr-defined]
+            "prim::PythonOp", _pythonop_symbolic, 1
+        )
         _symbolic_registered.append(True)
 
 

@@ -31,6 +31,8 @@ def close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Within TOL, relative to the largest magnitude of ``b`` once that exceeds 1."""
     assert b is not None
     return max_diff(a, b) <= TOL * max(1.0, float(b.detach().abs().max()))
+
+
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
 
 
@@ -203,7 +205,7 @@ def test_save_for_backward_of_inputs_and_outputs() -> None:
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            x, w, y = ctx.saved_tensors
+            x, _w, y = ctx.saved_tensors
             return g * y * 1.5, (g * x.exp()).sum(0) * 0.5
 
     class Model(Around):

@@ -242,19 +242,15 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         for o, g in zip(kept.outputs, grads, strict=True)
         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
     ]
-    if not pairs:
-        # No grad reached any output: eager would skip this backward; ORT wants zeros/None.
-        pairs = [(o, None) for o in kept.outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     targets = [leaf for leaf in kept.leaves if leaf is not None]
-    found: list[torch.Tensor | None] = [None] * len(targets)
+    # No grad reached any output: eager would not run this backward at all, so the inputs get
+    # nothing from it; ORT wants a tensor per input that requires grad, so zeros.
+    found: list[torch.Tensor | None] = [torch.zeros_like(t) for t in targets]
     if targets and pairs:
         with torch.enable_grad():
             found = list(
                 torch.autograd.grad(
-                    [o for o, _ in pairs],
-                    targets,
-                    [g if g is not None else torch.zeros_like(o) for o, g in pairs],
-                    allow_unused=True,
+                    [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
                 )
             )
     by_position = iter(found)
