@@ -109,20 +109,19 @@ def release(contexts: Sequence[int]) -> None:
             _CONTEXTS.pop(key, None)
 
 
-def _shares_memory(tensor: torch.Tensor, others: Sequence[torch.Tensor | None]) -> bool:
-    pointer = tensor.untyped_storage().data_ptr()
-    return pointer != 0 and any(
-        o is not None and o.untyped_storage().data_ptr() == pointer for o in others
-    )
+def _storages(tensors: Sequence[torch.Tensor | None]) -> frozenset[int]:
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if t is not None)
 
 
-def _capsule(value: Any, owned: Sequence[torch.Tensor | None]) -> Any:
+def _capsule(value: Any, owned: frozenset[int]) -> Any:
     """A DLPack capsule ORT can own, copying values that alias ORT's own buffers."""
     if not isinstance(value, torch.Tensor):
         return None
     tensor = value.detach()
-    if _shares_memory(tensor, owned) or not tensor.is_contiguous():
-        tensor = tensor.contiguous() if not tensor.is_contiguous() else tensor.clone()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    elif tensor.untyped_storage().data_ptr() in owned:
+        tensor = tensor.clone()
     return to_dlpack(tensor)
 
 
@@ -160,7 +159,9 @@ def _forward(
     safe: bool,
     args: tuple[Any, ...],
 ) -> list[Any]:
-    kernel = _KERNELS.setdefault(invoke_id, _Kernel())
+    kernel = _KERNELS.get(invoke_id)
+    if kernel is None:
+        kernel = _KERNELS[invoke_id] = _Kernel()
     run: list[int] | None = getattr(_LOCAL, "training", None)
     training = run is not None
     owned: list[torch.Tensor | None] = []  # ORT's buffers, as given
@@ -174,7 +175,7 @@ def _forward(
         tensor = from_dlpack(arg)
         owned.append(tensor)
         grad = training and bool(requires_grad[i]) and tensor.is_floating_point()
-        leaf = tensor.detach().requires_grad_(grad) if grad else tensor
+        leaf = tensor.requires_grad_() if grad else tensor  # a fresh tensor: ours to flag
         leaves.append(leaf if grad else None)
         if kernel.first or i in kernel.dirty or not safe:
             # The Function may write into it: give it a copy (a non-leaf, so mark_dirty works).
@@ -191,7 +192,8 @@ def _forward(
         ]
         kernel.first = False
         # Unsafe mode: ORT must hold the only reference to ctx.
-        return [ctx if training else None, *(_capsule(o, owned) for o in outputs)]
+        storages = _storages(owned)
+        return [ctx if training else None, *(_capsule(o, storages) for o in outputs)]
 
     with torch.set_grad_enabled(training):
         outputs = _as_tuple(callback(*call))
@@ -211,7 +213,8 @@ def _forward(
         assert run is not None
         run.append(id(node))
         result[0] = node
-    result.extend(_capsule(o, owned) for o in outputs)
+    storages = _storages(owned)
+    result.extend(_capsule(o, storages) for o in outputs)
     return result
 
 
@@ -227,7 +230,7 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         ]
         with torch.no_grad():
             returned = list(_as_tuple(callback(ctx, *filled)))
-        return [_capsule(r, grads) for r in returned]
+        return [_capsule(r, _storages(grads)) for r in returned]
     with _LOCK:
         kept = _CONTEXTS.pop(id(ctx), None)
     if kept is None:
@@ -235,17 +238,26 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
             f"ortfx PythonOp: no kept forward for {type(ctx).__name__}; its backward ran twice "
             "or after the bridge was torn down"
         )
-    # The eager engine over the kept outputs: materialized grads, non-differentiable outputs
-    # and dirty inputs behave exactly as in PyTorch.
-    pairs = [
+    differentiable = [
         (o, g)
         for o, g in zip(kept.outputs, grads, strict=True)
-        if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+        if isinstance(o, torch.Tensor) and o.requires_grad
     ]
+    if len(differentiable) == len(grads) and all(g is not None for _, g in differentiable):
+        # Every output has its grad: nothing to materialize, so call backward directly, as
+        # the engine would (about 3x cheaper than going through it).
+        with torch.no_grad():
+            direct = _as_tuple(type(ctx)._forward_cls.backward(ctx, *grads))
+        storages = _storages(grads)
+        return [
+            _capsule(r, storages) if leaf is not None else None
+            for r, leaf in zip(direct, kept.leaves, strict=True)
+        ]
+    # Otherwise the eager engine over the kept outputs: materialized grads, non-differentiable
+    # outputs and dirty inputs behave exactly as in PyTorch.
+    pairs = [(o, g) for o, g in differentiable if g is not None]
     targets = [leaf for leaf in kept.leaves if leaf is not None]
-    # No grad reached any output: eager would not run this backward at all, so the inputs get
-    # nothing from it; ORT wants a tensor per input that requires grad, so zeros.
-    found: list[torch.Tensor | None] = [torch.zeros_like(t) for t in targets]
+    found: list[torch.Tensor | None]
     if targets and pairs:
         with torch.enable_grad():
             found = list(
@@ -253,9 +265,13 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
                     [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
                 )
             )
+    else:
+        # No grad reached any output: eager would not run this backward at all, so the inputs
+        # get nothing from it; ORT wants a tensor per input that requires grad, so zeros.
+        found = [torch.zeros_like(t) for t in targets]
     by_position = iter(found)
     returned = [next(by_position) if leaf is not None else None for leaf in kept.leaves]
-    return [_capsule(r, grads) for r in returned]
+    return [_capsule(r, _storages(grads)) for r in returned]
 
 
 def forward_runner(
