@@ -397,3 +397,64 @@ def test_interpreter_exits_cleanly_after_pythonop_runs() -> None:
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.strip().endswith("done")
+
+
+def test_without_the_bridge_import_works_and_the_model_gets_a_typed_error() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["ortfx._bridge"] = None  # as if the extension failed to build
+        import torch, ortfx
+        from tests.test_pythonop import Around, Scale3Grad, STRICT
+        wrapped = ortfx.ORTModule(Around(Scale3Grad.apply), options=STRICT)
+        try:
+            wrapped(torch.randn(5, 4)).sum().backward()
+        except ortfx.OrtfxInitError as e:
+            print(str(e))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tests.test_pythonop.Scale3Grad" in result.stdout
+    assert "ortfx._bridge" in result.stdout and "enable_custom_autograd_function" in result.stdout
+
+
+def test_runners_in_unsafe_mode_follow_orts_reference_rules() -> None:
+    """ORT's unsafe mode calls ``forward(ctx, ...)`` directly; it must own the only ctx reference.
+
+    Driven through the runners as the bridge calls them (ORT only picks this mode on request).
+    """
+    from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
+
+    class SaveAndScale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, k: float) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            ctx.k = k
+            return x * k
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            (x,) = ctx.saved_tensors
+            return g * x * ctx.k, None
+
+    x = torch.randn(3, 2)
+    # requires_grad, tensor_flags, is_training, inplace_map, invoke id, safe_run_mode
+    flags = ([1, 0], [1, 0], True, [-1, -1], "unsafe-test", False)
+    with pythonop.training_run():
+        result = pythonop.forward_runner(
+            "f", SaveAndScale.forward, *flags, (to_dlpack(x.clone()), 0.5)
+        )
+    ctx, capsule = result
+    assert sys.getrefcount(ctx) == 3  # result list + local + getrefcount's argument
+    assert sys.getrefcount(capsule) == 3
+    assert torch.equal(from_dlpack(capsule), x * 0.5)
+    del result, capsule
+    g = torch.randn(3, 2)
+    grads = pythonop.backward_runner(
+        "f", SaveAndScale.backward, *flags, (ctx, to_dlpack(g.clone()))
+    )
+    assert torch.equal(from_dlpack(grads[0]), g * x * 0.5) and grads[1] is None
+    assert pythonop.live_contexts() == 0
