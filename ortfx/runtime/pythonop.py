@@ -55,12 +55,42 @@ class _Kernel:
     dirty: frozenset[int] = frozenset()  # argument positions the Function modifies in place
 
 
+class _Box:
+    """A tensor the Function saved for backward, held where ortfx can drop it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+def _unpack(box: _Box) -> torch.Tensor:
+    if box.tensor is None:
+        raise RuntimeError(
+            "ortfx PythonOp: this Function's saved tensors were released because its forward "
+            "graph was freed before backward"
+        )
+    return box.tensor
+
+
 @attrs.frozen
 class _Kept:
     """What a training forward keeps alive until its backward."""
 
     outputs: tuple[torch.Tensor | None, ...]  # as the Function returned them (with grad_fn)
     leaves: tuple[torch.Tensor | None, ...]  # per argument: the leaf grads flow to, or None
+    saved: list[_Box]  # what ctx.save_for_backward stored
+
+    def drop(self, node: Any) -> None:
+        """Free what the ctx reaches: ORT 1.19 keeps a ctx whose backward never ran, and a
+        ctx keeps its autograd node, whose input edges keep the input leaves."""
+        for box in self.saved:
+            box.tensor = None
+        vars(node).clear()
+        for leaf in self.leaves:
+            if leaf is not None:
+                # Our own leaf over ORT's buffer, reachable only through the node's edges.
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
 
 
 _KERNELS: dict[str, _Kernel] = {}
@@ -105,8 +135,10 @@ def training_run() -> Iterator[list[int]]:
 def release(contexts: Sequence[int]) -> None:
     """Drop what the given forward contexts kept, if their backward has not done so."""
     with _LOCK:
-        for key in contexts:
-            _CONTEXTS.pop(key, None)
+        dropped = [kept for key in contexts if (kept := _CONTEXTS.pop(key, None)) is not None]
+    for kept in dropped:
+        node = next(o.grad_fn for o in kept.outputs if o is not None and o.grad_fn is not None)
+        kept.drop(node)
 
 
 def _storages(tensors: Sequence[torch.Tensor | None]) -> frozenset[int]:
@@ -195,7 +227,13 @@ def _forward(
         storages = _storages(owned)
         return [ctx if training else None, *(_capsule(o, storages) for o in outputs)]
 
-    with torch.set_grad_enabled(training):
+    saved: list[_Box] = []
+
+    def pack(tensor: torch.Tensor) -> _Box:
+        saved.append(_Box(tensor))
+        return saved[-1]
+
+    with torch.set_grad_enabled(training), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         outputs = _as_tuple(callback(*call))
     if kernel.first:
         kernel.first = False
@@ -209,7 +247,7 @@ def _forward(
     result: list[Any] = [None]
     if training and node is not None:
         with _LOCK:
-            _CONTEXTS[id(node)] = _Kept(tuple(outputs), tuple(leaves))
+            _CONTEXTS[id(node)] = _Kept(tuple(outputs), tuple(leaves), saved)
         assert run is not None
         run.append(id(node))
         result[0] = node
