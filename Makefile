@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.ortfx-installed
 
 .PHONY: demo convergence-demo test lint typecheck pytest bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ortfx/_bridge.cpp
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so nothing later can pull a CUDA build on a CPU machine.

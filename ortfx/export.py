@@ -53,6 +53,14 @@ DYNAMO_NEEDS_ONNXSCRIPT = (
     "Install it (`pip install ortfx[dynamo]`) or use Options(exporter='torchscript')."
 )
 
+CUSTOM_FUNCTIONS_DISABLED = (
+    "the module calls the custom torch.autograd.Function(s) {names}, and custom Functions are "
+    "turned off (Options(enable_custom_autograd_function=False) or "
+    "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0). Exporting would inline their forward and train with "
+    "its traced gradient instead of their backward. Turn the option on to run them inside the "
+    "ORT graph as PythonOp nodes, or run the module in PyTorch."
+)
+
 NO_TORCHSCRIPT_EXPORTER = (
     "Options(exporter='torchscript') was requested, but this torch ({version}) no longer ships "
     "the TorchScript ONNX exporter (torch.jit tracing and torch.onnx.export(..., dynamo=False)). "
@@ -113,6 +121,8 @@ class Exported:
     seconds: float
     checkpoint_calls: int  # torch.utils.checkpoint calls traced directly
     tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
+    # Graph names of the custom autograd.Functions exported as PythonOp nodes.
+    custom_functions: tuple[str, ...] = ()
 
 
 # The keywords torch.utils.checkpoint.checkpoint takes for itself; the rest go to the function.
@@ -193,6 +203,186 @@ def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
     finally:
         for namespace, name, value in reversed(undo):
             namespace[name] = value
+
+
+# ---- custom autograd.Functions as ORT PythonOp nodes ------------------------------------------
+
+# Graph name -> Function class, and back. The graph name is the fully qualified class name; a
+# second class with the same name (a class defined again by a factory) gets a "#n" suffix, so
+# ORT never runs the wrong one.
+_FUNCTIONS: dict[str, type] = {}
+_FUNCTION_NAMES: dict[type, str] = {}
+# Non-numeric constant arguments reach ORT as object addresses: keep the objects alive.
+_CONSTANTS: dict[int, Any] = {}
+
+# ONNX element types of the TorchScript scalar types a PythonOp input or output can have.
+_ONNX_TYPES = {
+    "Float": onnx.TensorProto.FLOAT,
+    "Double": onnx.TensorProto.DOUBLE,
+    "Half": onnx.TensorProto.FLOAT16,
+    "BFloat16": onnx.TensorProto.BFLOAT16,
+    "Long": onnx.TensorProto.INT64,
+    "Int": onnx.TensorProto.INT32,
+    "Short": onnx.TensorProto.INT16,
+    "Char": onnx.TensorProto.INT8,
+    "Byte": onnx.TensorProto.UINT8,
+    "Bool": onnx.TensorProto.BOOL,
+}
+
+
+def function_graph_name(cls: type) -> str:
+    """The name ``cls`` has in exported graphs and in ORT's function registry."""
+    name = _FUNCTION_NAMES.get(cls)
+    if name is None:
+        base = name = f"{cls.__module__}.{cls.__qualname__}"
+        n = 1
+        while name in _FUNCTIONS:
+            n += 1
+            name = f"{base}#{n}"
+        _FUNCTIONS[name] = cls
+        _FUNCTION_NAMES[cls] = name
+    return name
+
+
+def pythonop_functions(model: bytes) -> dict[str, type]:
+    """The Function classes the PythonOp nodes of a serialized model run, by graph name."""
+    if b"PythonOp" not in model:
+        return {}
+    names = {
+        onnx.helper.get_attribute_value(a).decode()
+        for node in onnx.load_model_from_string(model).graph.node
+        if node.op_type == "PythonOp" and node.domain == "com.microsoft"
+        for a in node.attribute
+        if a.name == "func_name"
+    }
+    missing = names - _FUNCTIONS.keys()
+    if missing:
+        raise OrtfxExportError(
+            f"the graph runs autograd.Function(s) {sorted(missing)} that this process never "
+            "exported; PythonOp graphs can only run in the process that exported them."
+        )
+    return {name: _FUNCTIONS[name] for name in names}
+
+
+def _is_custom(cls: type) -> bool:
+    # ortfx's own Functions (a nested ORTModule's) are not the user's.
+    return not cls.__module__.startswith("ortfx.")
+
+
+# The innermost running export's record of the custom Functions it met.
+_RECORDING: list[dict[str, type]] = []
+_APPLY_CODE = torch.autograd.Function.__dict__["apply"].__func__.__code__
+
+
+def _record(cls: type) -> None:
+    if _RECORDING and _is_custom(cls):
+        _RECORDING[-1].setdefault(function_graph_name(cls), cls)
+
+
+@contextlib.contextmanager
+def functions_called(*, profile: bool) -> Iterator[dict[str, type]]:
+    """Record the custom ``torch.autograd.Function`` classes an export meets.
+
+    The TorchScript exporter reports each one to the ``prim::PythonOp`` symbolic. Exporters that
+    inline Functions silently are watched with ``profile=True``: a profile hook sees every call
+    of ``Function.apply``, however the user bound it (``f = MyFunction.apply`` included).
+    """
+    found: dict[str, type] = {}
+    _RECORDING.append(found)
+    previous = sys.getprofile()
+
+    def hook(frame: types.FrameType, event: Any, arg: Any) -> None:
+        if event == "call" and frame.f_code is _APPLY_CODE:
+            cls = frame.f_locals.get("cls")
+            if isinstance(cls, type):
+                _record(cls)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    if profile:
+        sys.setprofile(hook)
+    try:
+        yield found
+    finally:
+        if profile:
+            sys.setprofile(previous)
+        _RECORDING.pop()
+
+
+def _pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
+    """``prim::PythonOp`` -> ``com.microsoft::PythonOp`` with the attributes ORT 1.19 reads."""
+    node = g.original_node
+    cls = node.pyobj().__self__
+    _record(cls)
+    cconv = node.cconv()
+    tensors: list[Any] = []
+    attributes: dict[str, Any] = {"input_tensor_types_i": [], "input_tensor_ranks_i": []}
+
+    def add(kind: str, value: Any, position: int, suffix: str = "i") -> None:
+        attributes.setdefault(f"input_{kind}s_{suffix}", []).append(value)
+        attributes.setdefault(f"input_{kind}_positions_i", []).append(position)
+
+    def add_tuple(kind: str, values: list[Any], position: int, suffix: str) -> None:
+        begins = attributes.setdefault(f"input_{kind}_tuple_begins_i", [])
+        begins.append(len(attributes.get(f"input_{kind}_tuples_{suffix}", [])))
+        attributes.setdefault(f"input_{kind}_tuples_{suffix}", []).extend(values)
+        attributes.setdefault(f"input_{kind}_tuple_positions_i", []).append(position)
+
+    for position, (arg, convention) in enumerate(zip(args, cconv, strict=True)):
+        if convention == "d":
+            tensors.append(arg)
+            attributes["input_tensor_types_i"].append(_onnx_type(arg, cls))
+            attributes["input_tensor_ranks_i"].append(arg.type().dim())
+        elif isinstance(arg, bool):  # before int: bool is an int
+            add("bool_scalar", int(arg), position)
+        elif isinstance(arg, int):
+            add("int_scalar", arg, position)
+        elif isinstance(arg, float):
+            add("float_scalar", arg, position, "f")
+        elif isinstance(arg, tuple) and arg and all(type(v) is bool for v in arg):
+            add_tuple("bool", [int(v) for v in arg], position, "i")
+        elif isinstance(arg, tuple) and arg and all(type(v) is int for v in arg):
+            add_tuple("int", list(arg), position, "i")
+        elif isinstance(arg, tuple) and arg and all(type(v) is float for v in arg):
+            add_tuple("float", list(arg), position, "f")
+        else:
+            # str, None, mixed tuples, other objects: ORT passes the object itself.
+            _CONSTANTS[id(arg)] = arg
+            add("pointer_scalar", id(arg), position)
+    outputs = list(node.outputs())
+    return g.op(
+        "com.microsoft::PythonOp",
+        *tensors,
+        outputs=len(outputs),
+        func_name_s=function_graph_name(cls),
+        input_convention_s=cconv,
+        output_tensor_types_i=[_onnx_type(o, cls) for o in outputs],
+        output_tensor_ranks_i=[o.type().dim() for o in outputs],
+        # ortfx decides per run whether a backward follows (see runtime/pythonop.py).
+        training_mode_i=1,
+        **attributes,
+    )
+
+
+def _onnx_type(value: Any, cls: type) -> int:
+    scalar = value.type().scalarType()
+    if scalar not in _ONNX_TYPES:
+        raise OrtfxExportError(
+            f"the autograd.Function {cls.__qualname__} takes or returns a tensor of type "
+            f"{scalar}, which ORT's PythonOp cannot carry; supported: {', '.join(_ONNX_TYPES)}."
+        )
+    return _ONNX_TYPES[scalar]
+
+
+_symbolic_registered: list[bool] = []
+
+
+def _register_pythonop_symbolic() -> None:
+    if not _symbolic_registered:
+        torch.onnx.register_custom_op_symbolic(  # type: ignore[attr-defined]
+            "prim::PythonOp", _pythonop_symbolic, 1
+        )
+        _symbolic_registered.append(True)
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -404,6 +594,7 @@ def _export_torchscript(
         # (a tensor turned into a Python value, baked into the graph) are kept for the log.
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", tracer_warning)
+        _register_pythonop_symbolic()
         torch.onnx.export(
             flat,
             tensors,
@@ -417,6 +608,9 @@ def _export_torchscript(
             training=torch.onnx.TrainingMode.PRESERVE,
             input_names=input_names,
             dynamic_axes=dynamic_axes,
+            # Keep each custom autograd.Function a prim::PythonOp (exported as ORT's PythonOp)
+            # instead of inlining its forward, whose traced gradient would replace its backward.
+            autograd_inlining=False,
         )
     flat.tracer_warnings = tuple(
         dict.fromkeys(
@@ -528,6 +722,7 @@ def export(
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
     traced = checkpoints_traced_directly(module)
+    dynamo = exporter is _export_dynamo
     try:
         with (
             preserved_random_state(),
@@ -535,8 +730,21 @@ def export(
             batch_norm_updates_in_graph(module),
             torch.no_grad(),
             traced as calls,
+            functions_called(profile=dynamo) as functions,
         ):
-            model = exporter(flat, tensors, input_names, options.opset_version)
+            try:
+                model = exporter(flat, tensors, input_names, options.opset_version)
+            except Exception:
+                if not (dynamo and functions):
+                    raise
+            if functions and not options.enable_custom_autograd_function:
+                raise OrtfxExportError(CUSTOM_FUNCTIONS_DISABLED.format(names=_names(functions)))
+            if functions and dynamo:
+                # The dynamo exporter inlines Functions (their backward would be lost): only
+                # the TorchScript exporter keeps them, as PythonOp nodes.
+                flat = _FlatCall(module, leaves, schema)
+                calls[0] = 0
+                model = _export_torchscript(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:
         raise
     except Exception as e:
@@ -564,7 +772,7 @@ def export(
 
     by_name = dict(zip(input_names, positions, strict=True))
     params = _parameter_sources(module)
-    if options.exporter == "dynamo":
+    if options.exporter == "dynamo" and not functions:
         params.update({k.removeprefix("module."): v for k, v in params.items()})
     inputs = []
     for value in model.graph.input:
@@ -595,7 +803,17 @@ def export(
             f"{len(flat.updates)} in place, but the exported graph has {len(output_names)} "
             "outputs; this is an ortfx bug, please report it."
         )
-    return Exported(info, time.perf_counter() - start, calls[0], flat.tracer_warnings)
+    return Exported(
+        info,
+        time.perf_counter() - start,
+        calls[0],
+        flat.tracer_warnings,
+        tuple(sorted(functions)),
+    )
+
+
+def _names(functions: dict[str, type]) -> str:
+    return ", ".join(sorted(functions))
 
 
 QUEUE_CALLBACK_MISSING = (

@@ -141,6 +141,7 @@ class ExportOptions:
     exporter: str
     opset_version: int
     enable_compute_optimizer: bool = True
+    enable_custom_autograd_function: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +157,9 @@ class Options:
     dynamic_scalars: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     cache_size: int = attrs.field(default=8, validator=_positive)
     enable_compute_optimizer: bool = True
+    # Run custom torch.autograd.Functions inside the ORT graph (PythonOp); when off, a module
+    # that calls one raises (or falls back per policy) instead of inlining it.
+    enable_custom_autograd_function: bool = True
     # Export from a deep copy, for modules whose forward mutates their own state.
     deepcopy_before_export: bool = False
     memory_opt_level: int = attrs.field(default=0, validator=_one_of(0, 1, 2))
@@ -192,7 +196,12 @@ class Options:
 
     def export_options(self, resolved_exporter: str) -> ExportOptions:
         """The export-relevant subset, with ``"auto"`` already resolved to a real exporter."""
-        return ExportOptions(resolved_exporter, self.opset_version, self.enable_compute_optimizer)
+        return ExportOptions(
+            resolved_exporter,
+            self.opset_version,
+            self.enable_compute_optimizer,
+            self.enable_custom_autograd_function,
+        )
 
     @classmethod
     def from_env(
@@ -295,6 +304,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
     "ORTMODULE_MEMORY_OPT_LEVEL": ("memory_opt_level", int, "0, 1 or 2"),
     "ORTMODULE_MEMORY_OPT_CONFIG": ("memory_opt_config", str, None),
     "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": ("enable_compute_optimizer", _flag, "1 or 0"),
+    "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": ("enable_custom_autograd_function", _flag, "1 or 0"),
     "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": ("deepcopy_before_export", _flag, "1 or 0"),
     "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
     "ORTFX_INTRA_OP_THREADS": ("intra_op_threads", _threads, "a positive int"),

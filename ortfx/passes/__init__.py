@@ -218,6 +218,22 @@ def separate_outputs(model: onnx.ModelProto) -> bool:
     return changed
 
 
+@graph_pass
+def add_pythonop_ctx(model: onnx.ModelProto) -> bool:
+    """Give each PythonOp ORT's leading ctx output (the exporter emits only the Function's)."""
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "PythonOp" or node.domain != "com.microsoft":
+            continue
+        name = node.name or f"PythonOp_{i}"
+        outputs = list(node.output)
+        del node.output[:]
+        node.output.extend([f"{outputs[0] if outputs else name}_ctx", *outputs])
+        node.name = name
+        changed = True
+    return changed
+
+
 def embedding_padding(padding: Mapping[str, int]) -> Pass:
     """Keep PyTorch's ``padding_idx`` semantics: no gradient reaches an embedding's padding row.
 
@@ -372,6 +388,7 @@ def symbolic_shapes(info: PostExportProcessedModelInfo) -> PostExportProcessedMo
 def after_export(padding: Mapping[str, int]) -> Pass:
     """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
+        add_pythonop_ctx,
         add_layernorm_stats,
         split_cross_entropy,
         add_cross_entropy_log_prob,

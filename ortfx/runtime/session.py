@@ -27,8 +27,10 @@ from ortfx.errors import (
     OrtfxIOError,
     OrtfxRuntimeError,
 )
+from ortfx.export import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
+from ortfx.runtime import pythonop
 
 try:
     import onnxruntime as ort
@@ -181,7 +183,11 @@ def _to_torch(vector: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> OrtfxRuntimeError:
+def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> BaseException:
+    # A custom autograd.Function raised inside the graph: the user gets that exception.
+    original = pythonop.take_error()
+    if original is not None:
+        return original
     first = _first_line(error)
     shapes = ", ".join(str(list(t.shape)) for t in inputs)
     return OrtfxRuntimeError(
@@ -213,6 +219,24 @@ def _build_gradient(
     builder.initialize(model, config)
     builder.build(transforms)
     return builder
+
+
+class ForwardRun:
+    """ORT's partial-run state of one training forward, and the PythonOp contexts it kept.
+
+    Dropping it (after backward, or when autograd frees a graph whose backward never ran)
+    releases those contexts.
+    """
+
+    __slots__ = ("contexts", "state")
+
+    def __init__(self, state: Any, contexts: list[int]) -> None:
+        self.state = state
+        self.contexts = contexts
+
+    def __del__(self) -> None:
+        if self.contexts:
+            pythonop.release(self.contexts)
 
 
 def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
@@ -298,15 +322,17 @@ class TrainingRunner:
             raise _feed_error(self.info, inputs, e) from e
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
-        try:
-            self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
-        except Exception as e:
-            raise _run_failed("forward", inputs, e) from e
-        return _to_torch(fetches), run_state
+        with pythonop.training_run() as contexts:
+            try:
+                self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+            except Exception as e:
+                pythonop.release(contexts)
+                raise _run_failed("forward", inputs, e) from e
+        return _to_torch(fetches), ForwardRun(run_state, contexts)
 
     def backward(
         self,
-        run_state: Any,
+        run_state: ForwardRun,
         grad_outputs: Sequence[torch.Tensor | None],
         outputs_meta: Sequence[tuple[torch.Size, torch.dtype, torch.device]],
     ) -> list[torch.Tensor]:
@@ -323,7 +349,7 @@ class TrainingRunner:
             _to_ort(feeds, grad)
         fetches = C.OrtValueVector()
         try:
-            self.agent.run_backward(feeds, fetches, run_state)
+            self.agent.run_backward(feeds, fetches, run_state.state)
         except Exception as e:
             raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
         return _to_torch(fetches)
@@ -353,6 +379,7 @@ def open_training(
     ``memory`` is (probe config, plan strings) to turn the memory optimizer on.
     """
     require_ort()
+    pythonop.prepare(pythonop_functions(info.model))
     start = time.perf_counter()
     config = C.OrtModuleGraphBuilderConfiguration()
     config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
@@ -459,6 +486,7 @@ def open_inference(
 ) -> InferenceRunner:
     """Open an inference session over ``info``'s forward graph."""
     require_ort()
+    pythonop.prepare(pythonop_functions(info.model))
     start = time.perf_counter()
     if save_prefix:
         with open(f"{save_prefix}_execution_model_inference.onnx", "wb") as f:

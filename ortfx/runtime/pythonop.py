@@ -1,0 +1,393 @@
+"""PythonOp: a custom ``torch.autograd.Function`` running inside the ORT graph.
+
+ORT runs a ``com.microsoft::PythonOp`` node by calling a C++ runner (``ortfx._bridge``), which
+takes the GIL and calls :func:`forward_runner` here; ``PythonOpGrad`` calls
+:func:`backward_runner`. All torch work happens here:
+
+* Forward (safe mode, the default): tensors arrive as DLPack capsules that share ORT's buffers.
+  They become leaves with ORT's requires-grad flags; inputs the Function may modify in place are
+  cloned first (all of them on a node's first run, then those it marked dirty), so ORT's own
+  buffers never change. ``Function.apply`` runs with grad enabled, exactly as in eager mode.
+  The autograd node it creates is the ctx handed to ORT; ortfx keeps the outputs (and so the
+  node, its saved tensors and its input edges) alive in :data:`_CONTEXTS` until backward.
+* Backward: the grads ORT has are fed to ``torch.autograd.grad`` over the kept outputs, so the
+  eager engine itself applies ``set_materialize_grads``, ``mark_non_differentiable``, dirty
+  inputs and hooks; the kept entry is then released.
+* Outputs that share memory with an input ORT owns are copied: ORT assumes a fresh buffer.
+* Unsafe mode (``safe_run_mode=0`` on the node) calls ``forward(ctx, ...)`` / ``backward`` with a
+  plain context object, which ORT then holds alone.
+
+Reference counts follow ORT 1.19: every returned capsule is referenced only by the returned
+list; in training the ctx has at least two references (ORT's and the autograd node's).
+
+A Python exception in a runner is kept per thread (:func:`take_error`) so that the session can
+re-raise the original exception instead of ORT's wrapper of it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
+
+from ortfx.errors import OrtfxInitError
+
+BRIDGE_MISSING = (
+    "the exported graph runs custom torch.autograd.Function(s) {names} as ORT PythonOp nodes, "
+    "which needs ortfx's compiled bridge (ortfx._bridge), but it could not be loaded: {error}. "
+    "Reinstall ortfx with a C++ compiler available (`pip install -e .` builds it in about a "
+    "second), or turn the feature off with Options(enable_custom_autograd_function=False) and "
+    "run the module in PyTorch."
+)
+
+
+@attrs.define
+class _Kernel:
+    """What one PythonOp node (by ORT's invoke id) learned on its first run."""
+
+    first: bool = True
+    dirty: frozenset[int] = frozenset()  # argument positions the Function modifies in place
+
+
+class _Box:
+    """A tensor the Function saved for backward, held where ortfx can drop it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+def _unpack(box: _Box) -> torch.Tensor:
+    if box.tensor is None:
+        raise RuntimeError(
+            "ortfx PythonOp: this Function's saved tensors were released because its forward "
+            "graph was freed before backward"
+        )
+    return box.tensor
+
+
+@attrs.frozen
+class _Kept:
+    """What a training forward keeps alive until its backward."""
+
+    outputs: tuple[torch.Tensor | None, ...]  # as the Function returned them (with grad_fn)
+    leaves: tuple[torch.Tensor | None, ...]  # per argument: the leaf grads flow to, or None
+    saved: list[_Box]  # what ctx.save_for_backward stored
+
+    def drop(self, node: Any) -> None:
+        """Free what the ctx reaches: ORT 1.19 keeps a ctx whose backward never ran, and a
+        ctx keeps its autograd node, whose input edges keep the input leaves."""
+        for box in self.saved:
+            box.tensor = None
+        vars(node).clear()
+        for leaf in self.leaves:
+            if leaf is not None:
+                # Our own leaf over ORT's buffer, reachable only through the node's edges.
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+
+
+_KERNELS: dict[str, _Kernel] = {}
+_CONTEXTS: dict[int, _Kept] = {}  # id(ctx) -> outputs and leaves, until backward
+# .training: the kept-context list of the ORT training forward running on this thread, or None;
+# .error: the exception a runner raised.
+_LOCAL = threading.local()
+_LOCK = threading.Lock()
+_registered: list[str] = []  # function names already handed to ORT
+_bridge: Any = None
+
+
+def live_contexts() -> int:
+    """Contexts kept for a backward that has not run yet (0 between training steps)."""
+    return len(_CONTEXTS)
+
+
+def take_error() -> BaseException | None:
+    """The exception a runner raised on this thread since the last call, if any."""
+    error: BaseException | None = getattr(_LOCAL, "error", None)
+    _LOCAL.error = None
+    return error
+
+
+@contextlib.contextmanager
+def training_run() -> Iterator[list[int]]:
+    """Mark an ORT forward that a backward may follow: only then are contexts kept.
+
+    Yields the list of kept contexts (ids); pass it to :func:`release` when the forward's run
+    state dies, so a forward whose backward never runs (an eval-mode training graph, an unused
+    output) releases them too.
+    """
+    before = getattr(_LOCAL, "training", None)
+    kept: list[int] = []
+    _LOCAL.training = kept
+    try:
+        yield kept
+    finally:
+        _LOCAL.training = before
+
+
+def release(contexts: Sequence[int]) -> None:
+    """Drop what the given forward contexts kept, if their backward has not done so."""
+    with _LOCK:
+        dropped = [kept for key in contexts if (kept := _CONTEXTS.pop(key, None)) is not None]
+    for kept in dropped:
+        node = next(o.grad_fn for o in kept.outputs if o is not None and o.grad_fn is not None)
+        kept.drop(node)
+
+
+def _storages(tensors: Sequence[torch.Tensor | None]) -> frozenset[int]:
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if t is not None)
+
+
+def _capsule(value: Any, owned: frozenset[int]) -> Any:
+    """A DLPack capsule ORT can own, copying values that alias ORT's own buffers."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    tensor = value.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    elif tensor.untyped_storage().data_ptr() in owned:
+        tensor = tensor.clone()
+    return to_dlpack(tensor)
+
+
+class _PlainContext:
+    """The ctx of unsafe mode: ``forward`` and ``backward`` are called directly."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple[torch.Tensor, ...] = ()
+        self.materialize_grads = True
+        self.outputs_meta: list[tuple[torch.Size, torch.dtype, torch.device] | None] = []
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        pass  # inputs are copies already
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _forward(
+    callback: Any,
+    requires_grad: list[int],
+    tensor_flags: list[int],
+    invoke_id: str,
+    safe: bool,
+    args: tuple[Any, ...],
+) -> list[Any]:
+    kernel = _KERNELS.get(invoke_id)
+    if kernel is None:
+        kernel = _KERNELS[invoke_id] = _Kernel()
+    run: list[int] | None = getattr(_LOCAL, "training", None)
+    training = run is not None
+    owned: list[torch.Tensor | None] = []  # ORT's buffers, as given
+    leaves: list[torch.Tensor | None] = []
+    call: list[Any] = []
+    for i, (arg, flag) in enumerate(zip(args, tensor_flags, strict=True)):
+        if flag != 1 or arg is None:
+            call.append(arg)
+            leaves.append(None)
+            continue
+        tensor = from_dlpack(arg)
+        owned.append(tensor)
+        grad = training and bool(requires_grad[i]) and tensor.is_floating_point()
+        leaf = tensor.requires_grad_() if grad else tensor  # a fresh tensor: ours to flag
+        leaves.append(leaf if grad else None)
+        if kernel.first or i in kernel.dirty or not safe:
+            # The Function may write into it: give it a copy (a non-leaf, so mark_dirty works).
+            with torch.set_grad_enabled(grad):
+                leaf = leaf.clone()
+        call.append(leaf)
+
+    if not safe:
+        ctx = _PlainContext(tuple(leaf is not None for leaf in leaves))
+        with torch.no_grad():
+            outputs = _as_tuple(callback(ctx, *call))
+        ctx.outputs_meta = [
+            (o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outputs
+        ]
+        kernel.first = False
+        # Unsafe mode: ORT must hold the only reference to ctx.
+        storages = _storages(owned)
+        return [ctx if training else None, *(_capsule(o, storages) for o in outputs)]
+
+    saved: list[_Box] = []
+
+    def pack(tensor: torch.Tensor) -> _Box:
+        saved.append(_Box(tensor))
+        return saved[-1]
+
+    with torch.set_grad_enabled(training), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        outputs = _as_tuple(callback(*call))
+    if kernel.first:
+        kernel.first = False
+        kernel.dirty = frozenset(
+            i for i, arg in enumerate(call) if any(o is arg for o in outputs if o is not None)
+        )
+    node = next(
+        (o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None),
+        None,
+    )
+    result: list[Any] = [None]
+    if training and node is not None:
+        with _LOCK:
+            _CONTEXTS[id(node)] = _Kept(tuple(outputs), tuple(leaves), saved)
+        assert run is not None
+        run.append(id(node))
+        result[0] = node
+    storages = _storages(owned)
+    result.extend(_capsule(o, storages) for o in outputs)
+    return result
+
+
+def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
+    ctx, incoming = args[0], args[1:]
+    grads = [from_dlpack(g) if g is not None else None for g in incoming]
+    if isinstance(ctx, _PlainContext):
+        filled = [
+            g
+            if g is not None or not ctx.materialize_grads or meta is None
+            else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+            for g, meta in zip(grads, ctx.outputs_meta, strict=True)
+        ]
+        with torch.no_grad():
+            returned = list(_as_tuple(callback(ctx, *filled)))
+        return [_capsule(r, _storages(grads)) for r in returned]
+    with _LOCK:
+        kept = _CONTEXTS.pop(id(ctx), None)
+    if kept is None:
+        raise RuntimeError(
+            f"ortfx PythonOp: no kept forward for {type(ctx).__name__}; its backward ran twice "
+            "or after the bridge was torn down"
+        )
+    differentiable = [
+        (o, g)
+        for o, g in zip(kept.outputs, grads, strict=True)
+        if isinstance(o, torch.Tensor) and o.requires_grad
+    ]
+    if len(differentiable) == len(grads) and all(g is not None for _, g in differentiable):
+        # Every output has its grad: nothing to materialize, so call backward directly, as
+        # the engine would (about 3x cheaper than going through it).
+        with torch.no_grad():
+            direct = _as_tuple(type(ctx)._forward_cls.backward(ctx, *grads))
+        storages = _storages(grads)
+        return [
+            _capsule(r, storages) if leaf is not None else None
+            for r, leaf in zip(direct, kept.leaves, strict=True)
+        ]
+    # Otherwise the eager engine over the kept outputs: materialized grads, non-differentiable
+    # outputs and dirty inputs behave exactly as in PyTorch.
+    pairs = [(o, g) for o, g in differentiable if g is not None]
+    targets = [leaf for leaf in kept.leaves if leaf is not None]
+    found: list[torch.Tensor | None]
+    if targets and pairs:
+        with torch.enable_grad():
+            found = list(
+                torch.autograd.grad(
+                    [o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True
+                )
+            )
+    else:
+        # No grad reached any output: eager would not run this backward at all, so the inputs
+        # get nothing from it; ORT wants a tensor per input that requires grad, so zeros.
+        found = [torch.zeros_like(t) for t in targets]
+    by_position = iter(found)
+    returned = [next(by_position) if leaf is not None else None for leaf in kept.leaves]
+    return [_capsule(r, _storages(grads)) for r in returned]
+
+
+def forward_runner(
+    func_name: str,
+    callback: Any,
+    requires_grad: list[int],
+    tensor_flags: list[int],
+    is_training: bool,
+    inplace_map: list[int],
+    invoke_id: str,
+    safe: bool,
+    args: tuple[Any, ...],
+) -> list[Any]:
+    """Called by the bridge for each PythonOp run; returns ``[ctx, capsule or None, ...]``."""
+    try:
+        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args)
+    except BaseException as e:
+        _LOCAL.error = e
+        raise
+
+
+def backward_runner(
+    func_name: str,
+    callback: Any,
+    requires_grad: list[int],
+    tensor_flags: list[int],
+    is_training: bool,
+    inplace_map: list[int],
+    invoke_id: str,
+    safe: bool,
+    args: tuple[Any, ...],
+) -> list[Any]:
+    """Called by the bridge for each PythonOpGrad run; one capsule or None per forward input."""
+    try:
+        return _backward(callback, args)
+    except BaseException as e:
+        _LOCAL.error = e
+        raise
+
+
+def _load_bridge(names: Sequence[str]) -> Any:
+    try:
+        from ortfx import _bridge  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise OrtfxInitError(BRIDGE_MISSING.format(names=", ".join(names), error=e)) from e
+    return _bridge
+
+
+def teardown() -> None:
+    """Drop every kept context, then make ORT drop its Python references (run at exit)."""
+    from onnxruntime.capi import _pybind_state as C
+
+    with _LOCK:
+        _CONTEXTS.clear()
+    C.unregister_python_functions()
+    _registered.clear()
+    if _bridge is not None:
+        _bridge.clear()
+
+
+def prepare(functions: dict[str, type]) -> None:
+    """Make sure ORT can run PythonOp nodes for ``functions`` (name in the graph -> class).
+
+    Loads and registers the bridge once per process, and each Function class once.
+    """
+    global _bridge
+    if not functions:
+        return
+    from onnxruntime.capi import _pybind_state as C
+
+    if _bridge is None:
+        bridge = _load_bridge(sorted(functions))
+        C.register_forward_runner(bridge.forward_runner_address())
+        C.register_backward_runner(bridge.backward_runner_address())
+        bridge.set_runners(forward_runner, backward_runner)
+        _bridge = bridge
+        atexit.register(teardown)
+    for name, cls in functions.items():
+        if name not in _registered:
+            C.register_torch_autograd_function(name, cls)
+            _registered.append(name)
