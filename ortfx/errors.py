@@ -202,3 +202,17 @@ OUTPUT_DTYPE_CHANGED = (
     "training kernels do not run {expected}, and its graph computed in {given}. Train in float32 "
     "(model.float()) or let ortfx fall back to PyTorch (the default policy does)."
 )
+
+HIGHER_ORDER_GRADIENTS = (
+    "higher-order gradients (backward or autograd.grad with create_graph=True) through a module "
+    "run by ortfx are not supported: ONNX Runtime computes the first-order gradient, which torch "
+    "cannot differentiate again. Compute them without ortfx (call model.module directly for that "
+    "step), or use create_graph=False."
+)
+
+NO_GRADIENT_GRAPH = (
+    "these outputs came from ONNX Runtime's inference graph, because it could not build a "
+    "gradient graph for this eval-mode call ({why}); backward through them is not supported. "
+    "Train in float32 (model.float()), run the validation loop under torch.no_grad(), or call "
+    "the module outside ortfx."
+)

@@ -23,6 +23,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 import types
 import warnings
@@ -41,6 +42,28 @@ from ortfx.options import ExportOptions
 from ortfx.schema import ModelSchema, TensorSpec
 
 E = TypeVar("E", bound=BaseException)
+
+# torch's exporters keep process-wide state (GLOBALS.in_onnx_export, the tracing state): one
+# export at a time in the process. Reentrant: a module exported inside another's export.
+_EXPORT_LOCK = threading.RLock()
+_EXPORTING = threading.local()
+
+
+def exporting() -> bool:
+    """Whether this thread is inside :func:`export` (a wrapper called from a forward being
+    exported runs its module as plain code, so the outer graph takes it in)."""
+    return bool(getattr(_EXPORTING, "depth", 0))
+
+
+@contextlib.contextmanager
+def _one_export_at_a_time() -> Iterator[None]:
+    with _EXPORT_LOCK:
+        _EXPORTING.depth = getattr(_EXPORTING, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _EXPORTING.depth -= 1
+
 
 EXPORT_FAILED = (
     "exporting {module} to ONNX with the {exporter} exporter failed for inputs {schema}: "
@@ -725,6 +748,7 @@ def export(
     dynamo = exporter is _export_dynamo
     try:
         with (
+            _one_export_at_a_time(),
             preserved_random_state(),
             state_preserved(module),
             batch_norm_updates_in_graph(module),

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ortfx.errors import HIGHER_ORDER_GRADIENTS, OrtfxRuntimeError
 from ortfx.runtime.session import TrainingRunner
 
 
@@ -43,6 +44,10 @@ class RunORT(torch.autograd.Function):
                 "ORT frees its saved activations after the first backward. "
                 "Run the forward again instead of retain_graph=True."
             )
+        if torch.is_grad_enabled():
+            # backward(create_graph=True) / autograd.grad(create_graph=True): ORT's gradient
+            # graph is not itself differentiable by torch.
+            raise OrtfxRuntimeError(HIGHER_ORDER_GRADIENTS)
         ctx.saved_tensors  # noqa: B018 - triggers torch's in-place modification check
         grads = ctx.runner.backward(ctx.run_state, grad_outputs, ctx.outputs_meta)
         ctx.run_state = None

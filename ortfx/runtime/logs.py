@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -55,12 +56,35 @@ def wrapper_log(level: LogLevel) -> WrapperLog:
     return WrapperLog(level)
 
 
+# File descriptors 1 and 2 are the process's: two threads redirecting them at once would each
+# restore the other's temporary file (and leave the process writing into a deleted file).
+_CAPTURE_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def captured(log: WrapperLog, what: str) -> Iterator[None]:
     """Capture stdout/stderr, native writes included (ORT and the exporter print from C++).
 
     The text is logged at VERBOSE, and attached as a note to an exception the block raises.
+    One capture at a time in the process; a nested one (same thread) passes through.
     """
+    if getattr(_CAPTURING, "active", False):
+        yield
+        return
+    with _CAPTURE_LOCK:
+        _CAPTURING.active = True
+        try:
+            with _redirected(log, what):
+                yield
+        finally:
+            _CAPTURING.active = False
+
+
+_CAPTURING = threading.local()
+
+
+@contextlib.contextmanager
+def _redirected(log: WrapperLog, what: str) -> Iterator[None]:
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryFile(mode="w+b") as sink:

@@ -29,6 +29,7 @@ from ortfx import io, memory, passes
 from ortfx.errors import (
     INPUT_CHANGED_IN_PLACE,
     INPUT_ON_OTHER_DEVICE,
+    NO_GRADIENT_GRAPH,
     NO_TRAINING_GRAPH,
     OUTPUT_DTYPE_CHANGED,
     TOO_MANY_RECOVERIES,
@@ -36,12 +37,13 @@ from ortfx.errors import (
     OrtfxEmptyTensorError,
     OrtfxError,
     OrtfxExportError,
+    OrtfxInitError,
     OrtfxIOError,
     OrtfxRuntimeError,
     OrtfxTorchModelError,
     OrtfxWarning,
 )
-from ortfx.export import export, raise_if_pytorch_raises, resolve_exporter
+from ortfx.export import export, exporting, raise_if_pytorch_raises, resolve_exporter
 from ortfx.io import STATIC_TYPES
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -105,6 +107,8 @@ class Compiled:
     ran: bool = False  # ORT ran this graph once: a later shape failure means baked sizes
     memory: tuple[MemoryPlan, ...] | None = None  # the recompute report, once known
     dims: tuple[tuple[str, int], ...] = ()  # input dim name -> size when the runner was built
+    # Why ORT could not build this eval-mode graph's gradient (its calls with grad run forward)
+    forward_only: str = ""
 
 
 @attrs.frozen
@@ -207,8 +211,14 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
 def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """What makes a call "the same" for fallback: structure, static values and tensor kinds."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
+    # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
     kinds = tuple(
-        leaf_spec(x) if isinstance(x, (torch.Tensor, *STATIC_TYPES)) else type(x) for x in leaves
+        (leaf_spec(x), x.device.type)
+        if isinstance(x, torch.Tensor)
+        else leaf_spec(x)
+        if isinstance(x, STATIC_TYPES)
+        else type(x)
+        for x in leaves
     )
     return (spec, kinds)
 
@@ -260,6 +270,10 @@ def call(
 
     Returns the result and the shell to commit; raises :class:`CallFailed` otherwise.
     """
+    if exporting():
+        # Called from a forward that ortfx is exporting (a nested ORTModule): plain code, so
+        # the outer graph takes this module in.
+        return _in_torch(shell, module, args, kwargs)
     if shell.state.fallbacks:
         reason = _fallback_reason(shell, args, kwargs)
         if reason is not None:
@@ -543,15 +557,28 @@ def execute(
     needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
     built = compiled
     try:
-        if needs_grad:
-            if built.training is None:
+        if needs_grad and built.training is None and not built.forward_only:
+            try:
                 built = _with_training_runner(shell, built, tracked.device, call, leaves)
+            except OrtfxInitError as error:
+                if call.key.training:
+                    raise
+                # Eval mode (a validation loop without no_grad): the forward is what the call
+                # needs; its outputs carry a backward that says why it cannot run.
+                built = attrs.evolve(built, forward_only=_first_line(error))
+        if needs_grad and built.training is not None:
             outputs = RunORT.apply(built.training, *inputs)  # type: ignore[no-untyped-call]
         else:
             if built.inference is None:
                 built = _with_inference_runner(shell, built, tracked.device, call)
             assert built.inference is not None
             outputs = built.inference.run(inputs)
+            if needs_grad:
+                # Anchored on an input that requires grad, so autograd records the outputs.
+                anchor = next(t for t in inputs if t.requires_grad)
+                outputs = NoGradientGraph.apply(  # type: ignore[no-untyped-call]
+                    built.forward_only, anchor, *outputs
+                )
     except OrtfxRuntimeError as error:
         changed = watch.changed_tensor(compiled.fingerprint, watch.track(module).fingerprint())
         if changed is not None:
@@ -585,6 +612,27 @@ def execute(
     if built.training is not compiled.training and _said_ignored(shell):
         after = attrs.evolve(after, said=after.said | {"memory config ignored"})
     return info.restore_outputs(outputs, leaves), after
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class NoGradientGraph(torch.autograd.Function):
+    """Outputs of an eval-mode call whose gradient graph ORT could not build: a backward
+    through them raises a clear error instead of torch's "does not require grad"."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, why: str, anchor: torch.Tensor, *outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.why = why
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise OrtfxRuntimeError(NO_GRADIENT_GRAPH.format(why=ctx.why))
 
 
 def _check_updated_inputs(

@@ -85,8 +85,12 @@ def track(module: torch.nn.Module) -> Tracked:
     device = devices.pop() if devices else torch.device("cpu")
     first_slot = None
     if params:
-        path, _, name = next(iter(params)).rpartition(".")
-        first_slot = (module.get_submodule(path), name)
+        # The module whose own _parameters holds it (found by identity: a nested ORTModule's
+        # names skip its _original_module level).
+        first = next(iter(params.values()))
+        first_slot = next(
+            (m, n) for m in module.modules() for n, p in m._parameters.items() if p is first
+        )
     return Tracked(tuple(params), tuple(params.values()), named, device, first_slot)
 
 

@@ -1,0 +1,170 @@
+"""Recovery and failures: one bad call never changes later good calls; threads; nesting;
+eval-mode calls whose gradient graph ORT cannot build; higher-order gradients."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from ortfx.errors import HIGHER_ORDER_GRADIENTS
+from tests.models import max_diff
+
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+
+
+class Checked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, limit: int = 0) -> torch.Tensor:
+        if limit and x.shape[0] > limit:
+            raise ValueError("batch too large")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("policy", [None, ortfx.FallbackPolicy.DISABLE])
+def test_bad_calls_do_not_change_how_later_good_calls_run(policy: object) -> None:
+    """A wrong width, an input on the meta device and a failing user check: each fails (or
+    falls back, where the policy allows) on its own; the next good calls run in ORT with the
+    same exporter and no re-export."""
+    options = ortfx.Options(fallback_policy=policy) if policy is not None else ortfx.Options()
+    wrapped = ortfx.ORTModule(Checked(), options=options)
+    x = torch.randn(2, 4)
+    assert max_diff(wrapped(x), wrapped.module(x)) <= 1e-6
+    logging.getLogger("ortfx").disabled = True  # the fallback's WARNING is expected
+    try:
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            wrapped(torch.randn(2, 5))
+        with pytest.raises(ValueError, match="batch too large"):
+            wrapped(torch.randn(5, 4), limit=4)
+        # The default policy runs the meta call in PyTorch, which rejects it too.
+        expected = RuntimeError if policy is None else ortfx.OrtfxDeviceError
+        with pytest.raises(expected, match="meta"):
+            wrapped(torch.randn(2, 4, device="meta"))
+    finally:
+        logging.getLogger("ortfx").disabled = False
+    before = ortfx.stats(wrapped)
+    for _ in range(5):
+        y = torch.randn(3, 4, requires_grad=True)
+        assert max_diff(wrapped(y), wrapped.module(y)) <= 1e-6
+    after = ortfx.stats(wrapped)
+    assert after.exports == 1  # the failed limit=4 export is not kept
+    assert after.fallback_calls == before.fallback_calls
+    assert after.fallback is None
+    assert "exporter='torchscript'" in repr(wrapped)
+
+
+THREADS = """
+import threading, torch, ortfx
+from torch import nn
+opts = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+models = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(4)]
+wrapped = [ortfx.ORTModule(m, options=opts) for m in models]
+errors, barrier = [], threading.Barrier(4)
+def first_call(i):
+    try:
+        barrier.wait()
+        x = torch.randn(3, 8)
+        for _ in range(3):
+            y = wrapped[i](x)
+            assert (y - models[i](x)).abs().max() <= 1e-5, "parity"
+            y.sum().backward()
+    except BaseException as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=first_call, args=(i,)) for i in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+shared = ortfx.ORTModule(nn.Linear(8, 8).eval(), options=opts)
+x = torch.randn(5, 8)
+with torch.no_grad():
+    expected = shared.module(x)
+    shared(x)
+    results = []
+    def infer():
+        for _ in range(20):
+            results.append(bool((shared(x) - expected).abs().max() <= 1e-6))
+    pool = [threading.Thread(target=infer) for _ in range(4)]
+    [t.start() for t in pool]
+    [t.join() for t in pool]
+print("errors", errors)
+print("fallbacks", [ortfx.stats(w).fallback_calls for w in wrapped])
+print("inference", len(results), all(results))
+"""
+
+
+def test_first_calls_from_several_threads_and_concurrent_inference() -> None:
+    """Export is serialized and native-output capture never leaves stdout redirected: the
+    child's prints after the threads must arrive (run in a subprocess: a broken stdout would
+    kill the test runner's own output)."""
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.splitlines()[-3:] == [
+            "errors []",
+            "fallbacks [0, 0, 0, 0]",
+            "inference 80 True",
+        ]
+
+
+class Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.inner(x)))
+
+
+def test_an_ortmodule_inside_another_is_exported_as_part_of_the_outer_graph() -> None:
+    torch.manual_seed(0)
+    eager = Outer(nn.Linear(4, 4))
+    inner = ortfx.ORTModule(copy.deepcopy(eager.inner), options=STRICT)
+    wrapped = ortfx.ORTModule(Outer(inner), options=STRICT)
+    wrapped.module.head.load_state_dict(eager.head.state_dict())
+    for _ in range(3):
+        x = torch.randn(3, 4, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        assert max_diff(wrapped(x), eager(xe)) <= 1e-6
+        wrapped(x).sum().backward()
+        eager(xe).sum().backward()
+        assert max_diff(x.grad, xe.grad) <= 1e-6
+    assert max_diff(inner.module.weight.grad, eager.inner.weight.grad / 1) <= 1e-5
+    assert ortfx.stats(wrapped).exports == 1
+    assert ortfx.stats(inner).calls == 0  # traced into the outer graph, never called itself
+    y = torch.randn(2, 4)
+    assert max_diff(inner(y), eager.inner(y)) <= 1e-6  # and it still works on its own
+
+
+def test_eval_mode_with_grad_runs_the_forward_when_the_gradient_graph_cannot_be_built() -> None:
+    """ORT 1.19 has no gradient for ConvTranspose on CPU: a validation loop without no_grad
+    gets correct outputs, and a backward through them a clear error."""
+    model = nn.ConvTranspose2d(2, 2, 3).eval()
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    x = torch.randn(1, 2, 5, 5)
+    y = wrapped(x)
+    assert max_diff(y, model(x)) <= 1e-6 and y.requires_grad
+    with pytest.raises(ortfx.OrtfxRuntimeError, match="came from ONNX Runtime's inference graph"):
+        y.sum().backward()
+    assert max_diff(wrapped(x), model(x)) <= 1e-6  # later calls too
+    assert ortfx.stats(wrapped).exports == 1
+
+
+def test_higher_order_gradients_raise_a_clear_error() -> None:
+    wrapped = ortfx.ORTModule(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), options=STRICT)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ortfx.OrtfxRuntimeError) as info:
+        torch.autograd.grad(wrapped(x).sum(), x, create_graph=True)
+    assert str(info.value) == HIGHER_ORDER_GRADIENTS
+    (g,) = torch.autograd.grad(wrapped(x).sum(), x)  # first order is fine
+    assert g.shape == x.shape
