@@ -30,12 +30,12 @@ from ortfx.errors import (
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, Options
 from ortfx.runtime import shell as engine
-from ortfx.runtime import watch
+from ortfx.runtime import state_dicts, watch
 from ortfx.runtime.session import require_ort
 from ortfx.transitions import Stats, Transition
 
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
-_OWN = frozenset({"training", "_original_module", "_ortfx"})
+_OWN = frozenset({"training", state_dicts.INNER, "_ortfx"})
 
 # Bookkeeping DeepSpeed writes on the modules it hooks, some on every forward
 # (ds_grads_remaining, applied_pre_backward_ref_cnt). Written on the wrapper, it is the
@@ -93,8 +93,8 @@ class ORTModule(torch.nn.Module):
             resolved = debug_options.apply(resolved)
         resolved = Options.from_env(resolved)  # the environment wins, as upstream
         super().__init__()
-        torch.nn.Module.__setattr__(self, "_original_module", module)
-        object.__setattr__(self, "training", module.training)
+        torch.nn.Module.__setattr__(self, state_dicts.INNER, module)
+        self.register_load_state_dict_post_hook(state_dicts.unnest)  # type: ignore[no-untyped-call]
         self._ortfx_setup(resolved)
         unsupported: OrtfxError | None = None
         if isinstance(module, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
@@ -117,8 +117,21 @@ class ORTModule(torch.nn.Module):
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped user module."""
-        module: torch.nn.Module = self._modules["_original_module"]  # type: ignore[assignment]
+        module: torch.nn.Module = self._modules[state_dicts.INNER]  # type: ignore[assignment]
         return module
+
+    @property
+    def training(self) -> bool:
+        """The wrapped module's own flag: one flag, so nothing (``parent.apply(fn)``,
+        ``wrapped.module.eval()``) can make the wrapper and its module disagree."""
+        module = self.__dict__.get("_modules", {}).get(state_dicts.INNER)
+        return True if module is None else bool(module.training)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        module = self.__dict__.get("_modules", {}).get(state_dicts.INNER)
+        if module is not None:  # None while nn.Module.__init__ runs
+            module.training = mode
 
     # ---- the engine slot -------------------------------------------------------------------
 
@@ -171,7 +184,7 @@ class ORTModule(torch.nn.Module):
     # ---- delegation of the nn.Module API ---------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_original_module":
+        if name == state_dicts.INNER:
             return super().__getattr__(name)
         return getattr(self.module, name)
 
@@ -219,7 +232,6 @@ class ORTModule(torch.nn.Module):
         return modules
 
     def train(self, mode: bool = True) -> ORTModule:
-        object.__setattr__(self, "training", mode)
         self.module.train(mode)
         return self
 
@@ -230,13 +242,37 @@ class ORTModule(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)
 
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Reached only through a parent's load_state_dict, whose walk goes on into
+        # _modules["_original_module"]: name the keys so that it finds them there.
+        state_dicts.nest(
+            self,
+            state_dict,
+            prefix,
+            assign=bool(local_metadata.get("assign_to_params_buffers")),
+            missing=missing_keys,
+            errors=error_msgs,
+        )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         with watch.muted(self.module):
             result = self.module.load_state_dict(state_dict, strict, assign)
         if assign:  # new tensor objects replace the parameters
-            self._ortfx_invalidate("load_state_dict(assign=True) replaced the parameters")
+            self._ortfx_invalidate(state_dicts.ASSIGNED)
         return result
 
     def register_buffer(
