@@ -148,6 +148,21 @@ BAKED_DYNAMIC_SCALARS = (
     "ortfx treats %s as static from now on; remove %s from Options.dynamic_scalars"
 )
 
+TRACER_BAKED_BRANCHES = (
+    "the tracer turned %d tensor(s) into Python booleans while exporting, first: %s. A branch "
+    "on tensor values or sizes (an `if`, an `assert`, a check that raises) is decided once, at "
+    "export: the graph never checks it again, for any input. Move such checks out of forward, "
+    "make them static arguments, or pass Options(strict_tracing=True) (ORTFX_STRICT_TRACING=1) "
+    "to refuse such graphs (the fallback policy then runs the module in PyTorch)"
+)
+
+STRICT_TRACING_REFUSED = (
+    "strict_tracing is on and the tracer baked {count} Python value(s) computed from tensors "
+    "into the graph of {module}, first: {first}. Such a graph is correct only for inputs like "
+    "the export's; ortfx refuses it. The default fallback policy runs this module in PyTorch; "
+    "turn strict_tracing off to accept the graph."
+)
+
 TRACER_BAKED_VALUES = (
     "the tracer baked %d Python value(s) computed from tensors into the graph, first: %s. If such "
     "a value changes from call to call (a dynamic scalar used in Python control flow, an int "

@@ -142,6 +142,7 @@ class ExportOptions:
     opset_version: int
     enable_compute_optimizer: bool = True
     enable_custom_autograd_function: bool = True
+    strict_tracing: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -160,6 +161,10 @@ class Options:
     # Run custom torch.autograd.Functions inside the ORT graph (PythonOp); when off, a module
     # that calls one raises (or falls back per policy) instead of inlining it.
     enable_custom_autograd_function: bool = True
+    # Refuse a graph into which the tracer baked a Python value computed from a tensor (a branch
+    # on tensor values or sizes, an int taken from a size): an OrtfxExportError, so the fallback
+    # policy runs such a module in PyTorch instead of a graph that stops checking.
+    strict_tracing: bool = False
     # Export from a deep copy, for modules whose forward mutates their own state.
     deepcopy_before_export: bool = False
     memory_opt_level: int = attrs.field(default=0, validator=_one_of(0, 1, 2))
@@ -201,6 +206,7 @@ class Options:
             self.opset_version,
             self.enable_compute_optimizer,
             self.enable_custom_autograd_function,
+            self.strict_tracing,
         )
 
     @classmethod
@@ -310,6 +316,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
     "ORTFX_INTRA_OP_THREADS": ("intra_op_threads", _threads, "a positive int"),
     "ORTFX_ALLOW_SPINNING": ("allow_spinning", _flag, "1 or 0"),
     "ORTFX_CPU_MEM_ARENA": ("cpu_mem_arena", _flag, "1 or 0"),
+    "ORTFX_STRICT_TRACING": ("strict_tracing", _flag, "1 or 0"),
 }
 
 _warned: set[tuple[str, str]] = set()

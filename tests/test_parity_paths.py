@@ -306,3 +306,42 @@ def test_a_returned_input_is_the_callers_tensor_itself() -> None:
         out = wrapped(x, mask)
         assert out.kept is mask
         assert max_diff(out.made, wrapped.module.lin(x)) <= 1e-6
+
+
+class ChecksValues(nn.Module):
+    """A check on tensor values: PyTorch raises for negative inputs on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x < 0).any():
+            raise ValueError("negative input")
+        return self.lin(x)
+
+
+def test_a_branch_on_tensor_values_is_a_warning_naming_the_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wrapped = _strict(ChecksValues())
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        wrapped(torch.rand(2, 4))
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
+    assert said.startswith("the tracer turned 1 tensor(s) into Python booleans while exporting")
+    assert "test_parity_paths.py" in said and "strict_tracing=True" in said
+
+
+def test_strict_tracing_refuses_a_graph_that_would_stop_checking() -> None:
+    strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE, strict_tracing=True)
+    with pytest.raises(ortfx.OrtfxExportError, match="strict_tracing is on and the tracer baked"):
+        ortfx.ORTModule(ChecksValues(), options=strict)(torch.rand(2, 4))
+    # The default policy runs it in PyTorch, where the check runs on every call.
+    wrapped = ortfx.ORTModule(ChecksValues(), options=ortfx.Options(strict_tracing=True))
+    with _quiet():
+        wrapped(torch.rand(2, 4))
+        with pytest.raises(ValueError, match="negative input"):
+            wrapped(-torch.rand(2, 4))
+    # A module the tracer bakes nothing into is unaffected.
+    plain = ortfx.ORTModule(nn.Linear(4, 4), options=strict)
+    assert max_diff(plain(torch.ones(1, 4)), plain.module(torch.ones(1, 4))) <= 1e-6

@@ -206,13 +206,19 @@ def baked_scalars(log: WrapperLog, paths: Iterable[str]) -> None:
 
 def tracer_baked(log: WrapperLog, found: tuple[str, ...], *, dynamic: bool) -> None:
     # Python values computed from tensors are constants of the graph: fine for sizes the graph
-    # never sees change, wrong for values fed as dynamic scalars.
-    log.log(
-        logging.WARNING if dynamic else logging.INFO,
-        errors.TRACER_BAKED_VALUES,
-        len(found),
-        found[0],
-    )
+    # never sees change, wrong for values fed as dynamic scalars, and a branch on them is never
+    # checked again (a WARNING whatever else).
+    branches = [w for w in found if "Python boolean" in w]
+    if branches:
+        log.log(logging.WARNING, errors.TRACER_BAKED_BRANCHES, len(branches), branches[0])
+    values = [w for w in found if "Python boolean" not in w]
+    if values:
+        log.log(
+            logging.WARNING if dynamic else logging.INFO,
+            errors.TRACER_BAKED_VALUES,
+            len(values),
+            values[0],
+        )
 
 
 def empty_batch(log: WrapperLog, why: str) -> None:

@@ -32,6 +32,7 @@ from ortfx.errors import (
     NO_GRADIENT_GRAPH,
     NO_TRAINING_GRAPH,
     OUTPUT_DTYPE_CHANGED,
+    STRICT_TRACING_REFUSED,
     TOO_MANY_RECOVERIES,
     OrtfxDeviceError,
     OrtfxEmptyTensorError,
@@ -512,6 +513,14 @@ def _export(
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     if exported.tracer_warnings:
+        if call.key.options.strict_tracing:
+            raise OrtfxExportError(
+                STRICT_TRACING_REFUSED.format(
+                    count=len(exported.tracer_warnings),
+                    module=type(module).__name__,
+                    first=exported.tracer_warnings[0],
+                )
+            )
         logs.tracer_baked(
             log, exported.tracer_warnings, dynamic=bool(shell.options.dynamic_scalars)
         )
