@@ -161,10 +161,15 @@ def test_saved_onnx_files_per_mode(tmp_path: Any) -> None:
     wrapped.eval()
     with torch.no_grad():
         wrapped(x)
+    training_files = {f for f in os.listdir(tmp_path) if "_training" in f}
+    eval_with_grad = wrapped(x.requires_grad_())  # eval mode, gradient graph: "_inference" files
+    eval_with_grad.sum().backward()
+    assert {f for f in os.listdir(tmp_path) if "_training" in f} == training_files  # untouched
     assert sorted(os.listdir(tmp_path)) == [
         "mlp_execution_model_inference.onnx",
         "mlp_execution_model_training.onnx",
         "mlp_optimized_inference.onnx",
+        "mlp_optimized_pre_grad_inference.onnx",
         "mlp_optimized_pre_grad_training.onnx",
         "mlp_optimized_training.onnx",
         "mlp_post_processed_inference.onnx",

@@ -373,10 +373,12 @@ def open_training(
     deterministic: bool,
     save_prefix: str | None = None,
     memory: tuple[str, tuple[str, ...]] | None = None,
+    mode: str = "training",
 ) -> TrainingRunner:
     """Build ``info``'s gradient graph and open a training session over it.
 
-    ``memory`` is (probe config, plan strings) to turn the memory optimizer on.
+    ``memory`` is (probe config, plan strings) to turn the memory optimizer on. Saved files are
+    named by ``mode``, the export mode ("training", or "inference" for an eval-mode graph).
     """
     require_ort()
     pythonop.prepare(pythonop_functions(info.model))
@@ -389,7 +391,7 @@ def open_training(
     config.enable_caching = False
     config.use_memory_efficient_gradient = False
     config.loglevel = C.Severity.ERROR
-    pre_grad = f"{save_prefix}_optimized_pre_grad_training.onnx" if save_prefix else None
+    pre_grad = f"{save_prefix}_optimized_pre_grad_{mode}.onnx" if save_prefix else None
     failure: str | None = None
     try:
         builder = _build_gradient(info.model, config, options.enable_compute_optimizer, pre_grad)
@@ -409,7 +411,7 @@ def open_training(
 
     start = time.perf_counter()
     if save_prefix:
-        with open(f"{save_prefix}_optimized_training.onnx", "wb") as f:
+        with open(f"{save_prefix}_optimized_{mode}.onnx", "wb") as f:
             f.write(gradient_model)
     session = _open(
         gradient_model,
@@ -417,7 +419,7 @@ def open_training(
         options,
         training=True,
         deterministic=deterministic,
-        optimized_path=f"{save_prefix}_execution_model_training.onnx" if save_prefix else None,
+        optimized_path=f"{save_prefix}_execution_model_{mode}.onnx" if save_prefix else None,
         memory=memory,
     )
     feeds = [*gi.user_input_names, *gi.initializer_names]

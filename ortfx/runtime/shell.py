@@ -735,6 +735,7 @@ def _with_training_runner(
                 deterministic=call.session.deterministic,
                 save_prefix=prefix,
                 memory=None if plans_on is None else (probe, plans_on),
+                mode="training" if call.key.training else "inference",
             )
 
     runner = build(None, "1:0")
