@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -94,13 +95,23 @@ class _Kept:
 
 
 _KERNELS: dict[str, _Kernel] = {}
-_CONTEXTS: dict[int, _Kept] = {}  # id(ctx) -> outputs and leaves, until backward
+# token -> outputs and leaves, until backward. A token, not id(ctx): ids are reused once a ctx
+# is freed, and a late release of an old forward must never drop a newer forward's context.
+_CONTEXTS: dict[int, _Kept] = {}
+_TOKENS = itertools.count(1)
 # .training: the kept-context list of the ORT training forward running on this thread, or None;
 # .error: the exception a runner raised.
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
 _registered: list[str] = []  # function names already handed to ORT
 _bridge: Any = None
+
+
+# One ORT run of a graph with PythonOp nodes at a time in the process. Two threads each inside
+# such a run deadlock (measured: two wrappers, one intra-op thread each): each holds one of the
+# GIL and ORT's own lock around Python calls while waiting for the other. Waiting on this lock
+# releases the GIL. Reentrant: a Function's forward may itself run an ORTModule.
+RUN_LOCK = threading.RLock()
 
 
 def live_contexts() -> int:
@@ -246,10 +257,12 @@ def _forward(
     )
     result: list[Any] = [None]
     if training and node is not None:
+        token = next(_TOKENS)
+        node._ortfx_token = token  # type: ignore[attr-defined]
         with _LOCK:
-            _CONTEXTS[id(node)] = _Kept(tuple(outputs), tuple(leaves), saved)
+            _CONTEXTS[token] = _Kept(tuple(outputs), tuple(leaves), saved)
         assert run is not None
-        run.append(id(node))
+        run.append(token)
         result[0] = node
     storages = _storages(owned)
     result.extend(_capsule(o, storages) for o in outputs)
@@ -270,7 +283,7 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
             returned = list(_as_tuple(callback(ctx, *filled)))
         return [_capsule(r, _storages(grads)) for r in returned]
     with _LOCK:
-        kept = _CONTEXTS.pop(id(ctx), None)
+        kept = _CONTEXTS.pop(getattr(ctx, "_ortfx_token", 0), None)
     if kept is None:
         raise RuntimeError(
             f"ortfx PythonOp: no kept forward for {type(ctx).__name__}; its backward ran twice "

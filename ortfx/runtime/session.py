@@ -5,6 +5,7 @@ Only this module (and nothing in the pure core) imports onnxruntime.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -239,6 +240,10 @@ class ForwardRun:
             pythonop.release(self.contexts)
 
 
+def _serialized(python_ops: bool) -> contextlib.AbstractContextManager[Any]:
+    return pythonop.RUN_LOCK if python_ops else contextlib.nullcontext()
+
+
 def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
     """The options that shape an ORT session (not the graph): part of the session key."""
     return (
@@ -303,6 +308,8 @@ class TrainingRunner:
     guarded_inputs: tuple[int, ...] = ()
     # The user inputs among the graph inputs (checked for empty tensors before ORT runs).
     user_slots: tuple[int, ...] = ()
+    # The graph calls Python (PythonOp nodes): its runs hold pythonop.RUN_LOCK.
+    python_ops: bool = False
     # Set when ORT's compute optimizer failed on this graph and the build went without it.
     compute_optimizer_failure: str | None = None
 
@@ -322,7 +329,7 @@ class TrainingRunner:
             raise _feed_error(self.info, inputs, e) from e
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
-        with pythonop.training_run() as contexts:
+        with _serialized(self.python_ops), pythonop.training_run() as contexts:
             try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
             except Exception as e:
@@ -349,7 +356,8 @@ class TrainingRunner:
             _to_ort(feeds, grad)
         fetches = C.OrtValueVector()
         try:
-            self.agent.run_backward(feeds, fetches, run_state.state)
+            with _serialized(self.python_ops):
+                self.agent.run_backward(feeds, fetches, run_state.state)
         except Exception as e:
             raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
         return _to_torch(fetches)
@@ -381,7 +389,8 @@ def open_training(
     named by ``mode``, the export mode ("training", or "inference" for an eval-mode graph).
     """
     require_ort()
-    pythonop.prepare(pythonop_functions(info.model))
+    functions = pythonop_functions(info.model)
+    pythonop.prepare(functions)
     start = time.perf_counter()
     config = C.OrtModuleGraphBuilderConfiguration()
     config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
@@ -448,6 +457,7 @@ def open_training(
         grad_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad),
         guarded_inputs=_guarded_inputs(info),
         user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
+        python_ops=bool(functions),
         compute_optimizer_failure=failure,
     )
 
@@ -461,6 +471,7 @@ class InferenceRunner:
     ort_device: Any
     session_seconds: float
     gradient_build_seconds: float = 0.0
+    python_ops: bool = False  # the graph calls Python: its runs hold pythonop.RUN_LOCK
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
@@ -472,7 +483,8 @@ class InferenceRunner:
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
         try:
-            self.session._sess.run_with_iobinding(binding, None)
+            with _serialized(self.python_ops):
+                self.session._sess.run_with_iobinding(binding, None)
         except Exception as e:
             raise _run_failed("inference", inputs, e) from e
         return _to_torch(binding.get_outputs())
@@ -488,7 +500,8 @@ def open_inference(
 ) -> InferenceRunner:
     """Open an inference session over ``info``'s forward graph."""
     require_ort()
-    pythonop.prepare(pythonop_functions(info.model))
+    functions = pythonop_functions(info.model)
+    pythonop.prepare(functions)
     start = time.perf_counter()
     if save_prefix:
         with open(f"{save_prefix}_execution_model_inference.onnx", "wb") as f:
@@ -502,4 +515,6 @@ def open_inference(
         optimized_path=f"{save_prefix}_optimized_inference.onnx" if save_prefix else None,
     )
     _, ort_device = _providers(device)
-    return InferenceRunner(info, session, ort_device, time.perf_counter() - start)
+    return InferenceRunner(
+        info, session, ort_device, time.perf_counter() - start, python_ops=bool(functions)
+    )
