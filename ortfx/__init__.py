@@ -12,6 +12,7 @@ from ortfx.errors import (
     OrtfxOutputExistsError,
     OrtfxRuntimeError,
     OrtfxTorchModelError,
+    OrtfxUnsupportedOpError,
     OrtfxWarning,
 )
 from ortfx.hooks import inspect_activation
@@ -43,6 +44,7 @@ __all__ = [
     "OrtfxOutputExistsError",
     "OrtfxRuntimeError",
     "OrtfxTorchModelError",
+    "OrtfxUnsupportedOpError",
     "OrtfxWarning",
     "Reason",
     "Stats",

@@ -23,6 +23,24 @@ class OrtfxExportError(OrtfxError, RuntimeError):
     """The module could not be exported to ONNX or the exported graph could not be prepared."""
 
 
+class OrtfxUnsupportedOpError(OrtfxExportError):
+    """ONNX Runtime cannot run or differentiate an operator of the exported graph (no kernel,
+    no gradient builder, an unsupported attribute): an unsupported ONNX model for the fallback
+    policy. ``op`` is the ONNX operator, ``node`` the node's name (it carries the module path)."""
+
+    def __init__(self, message: str, *, op: str = "", node: str = "") -> None:
+        super().__init__(message)
+        self.op = op
+        self.node = node
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_unsupported_op, (str(self), self.op, self.node))
+
+
+def _unsupported_op(message: str, op: str, node: str) -> OrtfxUnsupportedOpError:
+    return OrtfxUnsupportedOpError(message, op=op, node=node)
+
+
 class OrtfxTorchModelError(OrtfxError, TypeError):
     """The torch module itself is not something ortfx can wrap (e.g. DataParallel)."""
 
@@ -134,6 +152,31 @@ TOO_MANY_RECOVERIES = (
     "not run it; this is an ortfx bug, please report it with the log (LogLevel.INFO)."
 )
 
+UNSUPPORTED_OP = (
+    "ONNX Runtime 1.19 cannot {what} operator {op}{node} of the exported graph ({detail}). "
+    "ortfx runs a graph in ORT only when every operator has an ORT kernel for its dtypes and, "
+    "for training, a gradient builder and a CPU gradient kernel (docs/index.md lists the "
+    "standard layers that train and those that do not). Replace the layer with a supported "
+    "one, run it outside the wrapped module, or let ortfx fall back to PyTorch: the default "
+    "policy does (FallbackPolicy.UNSUPPORTED_ONNX_MODEL)."
+)
+
+VALUE_DEPENDENT_CONTROL_FLOW = (
+    "an If whose condition depends on tensor values (node {node}) lies on the path ORT would "
+    "differentiate, and ORT 1.19's gradient builder aborts the process on it"
+)
+
+WRONG_AVERAGE_POOL_3D = (
+    "its CPU gradient kernel for a 3-d window (AveragePoolGrad) computes wrong gradients: "
+    "measured against PyTorch for nn.AvgPool3d and nn.LocalResponseNorm, which torch exports "
+    "as a 3-d AveragePool"
+)
+
+STATIC_SIZES_SESSION = (
+    "ORT's gradient kernels of {ops} read sizes from the graph, so ortfx builds the training "
+    "session for concrete input sizes and one session per size"
+)
+
 # ---- log lines (WARNING/INFO); the arguments are filled in by ortfx.runtime.logs ----------------
 
 FALLING_BACK = (
@@ -150,8 +193,8 @@ BAKED_DYNAMIC_SCALARS = (
 
 TRACER_BAKED_BRANCHES = (
     "the tracer turned %d tensor(s) into Python booleans while exporting, first: %s. A branch "
-    "on tensor values or sizes (an `if`, an `assert`, a check that raises) is decided once, at "
-    "export: the graph never checks it again, for any input. Move such checks out of forward, "
+    "on tensor values (an `if`, an `assert`, a check that raises) is decided once, at export: "
+    "the graph never checks it again, for any input. Move such checks out of forward, "
     "make them static arguments, or pass Options(strict_tracing=True) (ORTFX_STRICT_TRACING=1) "
     "to refuse such graphs (the fallback policy then runs the module in PyTorch)"
 )

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import importlib
 import io as _io
+import linecache
 import os
 import random
 import re
@@ -637,12 +638,31 @@ def _export_torchscript(
         )
     flat.tracer_warnings = tuple(
         dict.fromkeys(
-            f"{str(w.message).splitlines()[0]} ({os.path.basename(w.filename)}:{w.lineno})"
+            _baked_kind(w.filename, w.lineno, str(w.message))
+            + f"{str(w.message).splitlines()[0]} ({os.path.basename(w.filename)}:{w.lineno})"
             for w in caught
             if issubclass(w.category, tracer_warning)
         )
     )
     return onnx.load_model_from_string(buffer.getvalue())
+
+
+# A source line that reads sizes: a Python value computed there comes from shapes, which the
+# graph sees as dynamic. Installed libraries (torch's MultiheadAttention, transformers) branch on
+# sizes they computed lines before; a boolean in the user's own code is taken as a branch on
+# tensor values.
+_SIZE_WORDS = ("shape", "size(", "dim(", "len(", "numel", "ndim")
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+BRANCH = "branch: "
+
+
+def _baked_kind(filename: str, lineno: int, message: str) -> str:
+    """``BRANCH`` for a tensor turned into a Python boolean in the user's own code, on a line
+    that reads no sizes."""
+    if "Python boolean" not in message or any(lib in filename for lib in _LIBRARIES):
+        return ""
+    line = linecache.getline(filename, lineno)
+    return "" if any(word in line for word in _SIZE_WORDS) else BRANCH
 
 
 def _export_dynamo(

@@ -68,6 +68,10 @@ class PostExportProcessedModelInfo:
     # (tensor output position, input leaf index) of outputs that are the caller's own input
     # tensor returned as is: PyTorch returns that very object.
     returned_inputs: tuple[tuple[int, int], ...] = ()
+    # The operators whose ORT gradient needs concrete sizes in the graph (MaxPool, AveragePool,
+    # a shape-dependent If): when set, every training session is built for the call's input
+    # sizes (see passes.mark_static_sizes and passes.pin_sizes).
+    static_size_ops: tuple[str, ...] = ()
 
     @property
     def n_user_outputs(self) -> int:
@@ -76,6 +80,17 @@ class PostExportProcessedModelInfo:
     @property
     def user_inputs_requiring_grad(self) -> tuple[str, ...]:
         return tuple(i.name for i in self.inputs if i.kind is InputKind.USER and i.requires_grad)
+
+    def user_sizes(self, leaves: Sequence[Any], /) -> tuple[tuple[int, ...], ...]:
+        """The sizes of the user inputs, in graph order, when the training graph needs concrete
+        sizes (``static_size_ops``); ``()`` otherwise."""
+        if not self.static_size_ops:
+            return ()
+        return tuple(
+            tuple(leaves[i.source].shape)  # type: ignore[index]
+            for i in self.inputs
+            if i.kind is InputKind.USER
+        )
 
     @property
     def params_to_train(self) -> tuple[str, ...]:

@@ -15,6 +15,12 @@ from typing import Any
 import attrs
 import onnx
 
+from ortfx.errors import (
+    UNSUPPORTED_OP,
+    VALUE_DEPENDENT_CONTROL_FLOW,
+    WRONG_AVERAGE_POOL_3D,
+    OrtfxUnsupportedOpError,
+)
 from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
 
 Pass = Callable[[PostExportProcessedModelInfo], PostExportProcessedModelInfo]
@@ -385,6 +391,119 @@ def symbolic_shapes(info: PostExportProcessedModelInfo) -> PostExportProcessedMo
     return attrs.evolve(info, model=model.SerializeToString())
 
 
+# Operators whose ORT 1.19 CPU gradient kernel reads its output sizes from the graph when the
+# session is created (MaxPoolGrad, AveragePoolGrad): a symbolic dim reads as 0 and the kernel
+# writes out of bounds (SIGSEGV) or divides by zero (SIGFPE). Found by tests/test_layer_sweep.
+READS_GRAPH_SIZES = frozenset({"MaxPool", "AveragePool"})
+
+# Nodes whose outputs carry only the shape of their inputs, not their values.
+_SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+
+def _subgraph_names(node: onnx.NodeProto) -> set[str]:
+    """Every value name the node's subgraphs (If branches, Loop bodies) read."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        for graph in (attribute.g, *attribute.graphs):
+            for inner in graph.node:
+                names.update(inner.input)
+                names.update(_subgraph_names(inner))
+    return names
+
+
+def _dependent(model: onnx.ModelProto, seeds: set[str]) -> set[str]:
+    """Names of values computed from the values (not only the shapes) of ``seeds``."""
+    dependent = set(seeds)
+    for node in model.graph.node:  # ONNX nodes are topologically sorted
+        if node.op_type in _SHAPE_ONLY and node.domain in ("", "ai.onnx"):
+            continue
+        read = {*node.input, *_subgraph_names(node)}
+        if not read.isdisjoint(dependent):
+            dependent.update(node.output)
+    return dependent
+
+
+def _value_dependent(model: onnx.ModelProto) -> set[str]:
+    return _dependent(model, {v.name for v in model.graph.input})
+
+
+def _shape_dependent_ifs(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    dependent = _value_dependent(model)
+    return [
+        node
+        for node in model.graph.node
+        if _standard(node, "If") and node.input and node.input[0] not in dependent
+    ]
+
+
+def mark_static_sizes(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+    """Record the operators whose gradient needs concrete sizes in the graph.
+
+    Those are :data:`READS_GRAPH_SIZES` and an ``If`` whose condition depends only on shapes
+    (e.g. ``nn.LocalResponseNorm``): ORT's gradient builder aborts the process on an ``If``
+    it cannot fold, and with concrete sizes its constant folding removes a shape-only one.
+    """
+    model = onnx.load_model_from_string(info.model)
+    ops = sorted(
+        {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")} & READS_GRAPH_SIZES
+    )
+    if _shape_dependent_ifs(model):
+        ops.append("If")
+    ops_t = tuple(ops)
+    return info if ops_t == info.static_size_ops else attrs.evolve(info, static_size_ops=ops_t)
+
+
+def _unsupported(node: onnx.NodeProto, detail: str) -> OrtfxUnsupportedOpError:
+    where = f" (node {node.name})" if node.name else ""
+    return OrtfxUnsupportedOpError(
+        UNSUPPORTED_OP.format(what="differentiate", op=node.op_type, node=where, detail=detail),
+        op=node.op_type,
+        node=node.name,
+    )
+
+
+def refuse_unsafe_gradients(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+    """Raise :class:`~ortfx.errors.OrtfxUnsupportedOpError` before ORT builds a gradient that
+    would kill the process or be wrong, for nodes on the differentiated path: an ``If`` whose
+    condition depends on tensor values (ORT 1.19's gradient builder aborts) and a 3-d
+    ``AveragePool`` (its CPU gradient kernel computes wrong values; torch exports
+    ``nn.AvgPool3d`` and ``nn.LocalResponseNorm`` with it). Found by tests/test_layer_sweep."""
+    model = onnx.load_model_from_string(info.model)
+    trained = {s.name for s in info.inputs if s.requires_grad}
+    differentiated = _dependent(model, trained)
+    values = _value_dependent(model)
+    for node in model.graph.node:
+        read = {*node.input, *_subgraph_names(node)}
+        if read.isdisjoint(differentiated):
+            continue
+        if _standard(node, "If") and node.input[0] in values:
+            raise _unsupported(node, VALUE_DEPENDENT_CONTROL_FLOW.format(node=node.name or "If"))
+        kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), [])
+        if _standard(node, "AveragePool") and len(kernel) == 3:
+            raise _unsupported(node, WRONG_AVERAGE_POOL_3D)
+    return info
+
+
+def pin_sizes(sizes: tuple[tuple[int, ...], ...]) -> Pass:
+    """Make the user inputs' dims concrete (``sizes`` in graph order; ``()`` changes nothing),
+    so that ORT infers concrete sizes for every node of the training graph."""
+
+    @graph_pass
+    def run(model: onnx.ModelProto) -> bool:
+        if not sizes:
+            return False
+        for value, shape in zip(model.graph.input, sizes, strict=False):
+            dims = value.type.tensor_type.shape.dim
+            if len(dims) != len(shape):
+                raise ValueError(f"pin_sizes: {value.name} has rank {len(dims)}, not {shape}")
+            for dim, size in zip(dims, shape, strict=True):
+                dim.Clear()
+                dim.dim_value = size
+        return True
+
+    return run
+
+
 def after_export(padding: Mapping[str, int]) -> Pass:
     """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
@@ -396,6 +515,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         separate_outputs,
         embedding_padding(padding),
         user_inputs_first,
+        mark_static_sizes,
     )
 
 
@@ -414,12 +534,17 @@ def for_session(
     *,
     seed: int,
     symbolic: bool = False,
+    sizes: tuple[tuple[int, ...], ...] = (),
 ) -> Pass:
-    """Pipeline 2, once per ORT session: what this session differentiates, the dropout seeds
-    of torch's current seed, and (for the memory optimizer) symbolic intermediate shapes."""
+    """Pipeline 2, once per ORT training session: what this session differentiates, the
+    dropout seeds of torch's current seed, the refusal of graphs whose gradient build would
+    kill the process, the user inputs' concrete ``sizes`` when the graph needs them
+    (``static_size_ops``), and (for the memory optimizer) symbolic intermediate shapes."""
     stages: list[Pass] = [
         with_grad_requirements(inputs_requiring_grad, params_requiring_grad),
         seed_dropouts(seed),
+        refuse_unsafe_gradients,
+        pin_sizes(sizes),
     ]
     if symbolic:
         stages.append(symbolic_shapes)

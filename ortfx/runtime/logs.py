@@ -208,10 +208,11 @@ def tracer_baked(log: WrapperLog, found: tuple[str, ...], *, dynamic: bool) -> N
     # Python values computed from tensors are constants of the graph: fine for sizes the graph
     # never sees change, wrong for values fed as dynamic scalars, and a branch on them is never
     # checked again (a WARNING whatever else).
-    branches = [w for w in found if "Python boolean" in w]
+    branch = "branch: "  # ortfx.export marks booleans on lines that read no sizes so
+    branches = [w.removeprefix(branch) for w in found if w.startswith(branch)]
     if branches:
         log.log(logging.WARNING, errors.TRACER_BAKED_BRANCHES, len(branches), branches[0])
-    values = [w for w in found if "Python boolean" not in w]
+    values = [w for w in found if not w.startswith(branch)]
     if values:
         log.log(
             logging.WARNING if dynamic else logging.INFO,

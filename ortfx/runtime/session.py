@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import onnx
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
@@ -22,11 +24,14 @@ from ortfx.errors import (
     EMPTY_TENSOR_TRAINING,
     ORT_MISSING,
     UNSUPPORTED_LAYOUT,
+    UNSUPPORTED_OP,
     OrtfxDeviceError,
     OrtfxEmptyTensorError,
+    OrtfxError,
     OrtfxInitError,
     OrtfxIOError,
     OrtfxRuntimeError,
+    OrtfxUnsupportedOpError,
 )
 from ortfx.export import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -90,6 +95,51 @@ SESSION_FAILED = (
     "arithmetic on uint8); compute in a supported dtype, or let ortfx fall back to PyTorch."
 )
 
+# Where ORT's error texts name the node or the operator (gradient build and session creation).
+_NODE_IN_ERROR = (
+    re.compile(r"node with name '([^']+)'"),
+    re.compile(r"for node:? ?(\S+?)\.?(?:\s|$)"),
+)
+_OP_IN_ERROR = (
+    re.compile(r"has not been registered: (\w+)"),
+    re.compile(r"implementation for (\w+)\("),
+    re.compile(r"(\w+) gradient currently supports"),
+    re.compile(r"(\w+) and \w+Grad kernel"),
+)
+# The sentence of an ORT error after its C++ location and signature.
+_DETAIL_AFTER = ("was false. ", "NOT_IMPLEMENTED : ", "RUNTIME_EXCEPTION : ", "() const ")
+
+
+def _detail(text: str) -> str:
+    for marker in _DETAIL_AFTER:
+        if marker in text:
+            text = text.rsplit(marker, 1)[1]
+            break
+    return text.strip().rstrip(".")[:400]
+
+
+def unsupported_op(model: bytes, error: Exception, *, what: str) -> OrtfxError | None:
+    """An :class:`OrtfxUnsupportedOpError` naming the operator ORT's ``error`` is about, or None
+    when the text names none (then the caller's generic error stands)."""
+    text = " ".join(str(error).split())
+    node = next((m.group(1) for p in _NODE_IN_ERROR if (m := p.search(text))), "")
+    forward = node.split("_Grad/", 1)[0]
+    ops = {n.name: n.op_type for n in onnx.load_model_from_string(model).graph.node if n.name}
+    op = ops.get(forward) or next((m.group(1) for p in _OP_IN_ERROR if (m := p.search(text))), "")
+    if not op:
+        return None
+    op = op.removesuffix("Grad") if op not in ops.values() else op
+    return OrtfxUnsupportedOpError(
+        UNSUPPORTED_OP.format(
+            what=what,
+            op=op,
+            node=f" (node {forward})" if forward else "",
+            detail=_detail(text),
+        ),
+        op=op,
+        node=forward,
+    )
+
 
 def _session(
     model: bytes, so: Any, providers: list[Any], *, kind: str, device: torch.device
@@ -97,6 +147,9 @@ def _session(
     try:
         return ort.InferenceSession(model, so, providers=providers)
     except Exception as e:
+        named = unsupported_op(model, e, what="train" if kind == "training" else "run")
+        if named is not None:
+            raise named from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OrtfxInitError(SESSION_FAILED.format(kind=kind, error=first, device=device)) from e
 
@@ -202,6 +255,14 @@ GRADIENT_BUILD_FAILED = (
     "Options(enable_compute_optimizer=False) or the other exporter, or let ortfx fall back "
     "to PyTorch."
 )
+
+
+def _build_failed(model: bytes, error: Exception) -> OrtfxError:
+    """The operator ORT cannot differentiate, named; else the generic build failure."""
+    named = unsupported_op(model, error, what="differentiate")
+    if named is not None:
+        return named
+    return OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(error)))
 
 
 def _first_line(error: Exception) -> str:
@@ -406,14 +467,14 @@ def open_training(
         builder = _build_gradient(info.model, config, options.enable_compute_optimizer, pre_grad)
     except Exception as e:
         if not options.enable_compute_optimizer:
-            raise OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(e))) from e
+            raise _build_failed(info.model, e) from e
         # ORT 1.19's compute optimizer crashes on some graphs (e.g. logits sliced before
         # the loss) that build fine without it.
         failure = _first_line(e)
         try:
             builder = _build_gradient(info.model, config, False, pre_grad)
         except Exception as again:
-            raise OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=_first_line(again))) from again
+            raise _build_failed(info.model, again) from again
     gi = builder.get_graph_info()
     gradient_model: bytes = builder.get_gradient_model()
     gradient_build_seconds = time.perf_counter() - start

@@ -32,6 +32,7 @@ from ortfx.errors import (
     NO_GRADIENT_GRAPH,
     NO_TRAINING_GRAPH,
     OUTPUT_DTYPE_CHANGED,
+    STATIC_SIZES_SESSION,
     STRICT_TRACING_REFUSED,
     TOO_MANY_RECOVERIES,
     OrtfxDeviceError,
@@ -69,6 +70,7 @@ from ortfx.transitions import (
     Decision,
     ExportState,
     GradState,
+    Reason,
     Reexport,
     Reuse,
     Transition,
@@ -91,6 +93,9 @@ VERSIONS = (torch.__version__, onnx.__version__)
 # At most this many recoveries (each a different cause) before a call gives up.
 MAX_RECOVERIES = 3
 
+# Training sessions kept per graph whose gradient needs concrete sizes (one per input size).
+SIZED_RUNNERS = 4
+
 
 @attrs.frozen
 class Compiled:
@@ -108,6 +113,10 @@ class Compiled:
     ran: bool = False  # ORT ran this graph once: a later shape failure means baked sizes
     memory: tuple[MemoryPlan, ...] | None = None  # the recompute report, once known
     dims: tuple[tuple[str, int], ...] = ()  # input dim name -> size when the runner was built
+    # For a graph with static_size_ops: the user input sizes ``training`` was built for, and
+    # the most recent runners per size (most recent last, at most SIZED_RUNNERS).
+    sizes: tuple[tuple[int, ...], ...] = ()
+    sized: tuple[tuple[tuple[tuple[int, ...], ...], TrainingRunner], ...] = ()
     # Why ORT could not build this eval-mode graph's gradient (its calls with grad run forward)
     forward_only: str = ""
 
@@ -518,7 +527,7 @@ def _export(
                 STRICT_TRACING_REFUSED.format(
                     count=len(exported.tracer_warnings),
                     module=type(module).__name__,
-                    first=exported.tracer_warnings[0],
+                    first=exported.tracer_warnings[0].removeprefix("branch: "),
                 )
             )
         logs.tracer_baked(
@@ -566,15 +575,17 @@ def execute(
     needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
     built = compiled
     try:
-        if needs_grad and built.training is None and not built.forward_only:
-            try:
-                built = _with_training_runner(shell, built, tracked.device, call, leaves)
-            except OrtfxInitError as error:
-                if call.key.training:
-                    raise
-                # Eval mode (a validation loop without no_grad): the forward is what the call
-                # needs; its outputs carry a backward that says why it cannot run.
-                built = attrs.evolve(built, forward_only=_first_line(error))
+        if needs_grad and not built.forward_only:
+            sizes = info.user_sizes(leaves)
+            if built.training is None or built.sizes != sizes:
+                try:
+                    built = _training_for_sizes(shell, built, tracked.device, call, leaves, sizes)
+                except (OrtfxInitError, OrtfxExportError) as error:
+                    if call.key.training:
+                        raise
+                    # Eval mode (a validation loop without no_grad): the forward is what the
+                    # call needs; its outputs carry a backward that says why it cannot run.
+                    built = attrs.evolve(built, forward_only=_first_line(error))
         if needs_grad and built.training is not None:
             outputs = RunORT.apply(built.training, *inputs)  # type: ignore[no-untyped-call]
         else:
@@ -608,7 +619,7 @@ def execute(
         _copy_back(info, outputs, leaves, tracked)
     if built is not compiled or not built.ran:
         new_state = replace_payload(new_state, call.key, attrs.evolve(built, ran=True))
-    if (built.training is not compiled.training) or (built.inference is not compiled.inference):
+    if _new_runner(compiled, built):
         new_state = note_session(new_state)
     if new_state.warned is not shell.state.warned:
         for path in sorted(new_state.warned - shell.state.warned):
@@ -642,6 +653,16 @@ class NoGradientGraph(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         raise OrtfxRuntimeError(NO_GRADIENT_GRAPH.format(why=ctx.why))
+
+
+def _new_runner(before: Compiled, after: Compiled) -> bool:
+    """Whether ``after`` holds a runner built by this call (not one taken from the per-size
+    cache of ``before``)."""
+    if after.inference is not before.inference:
+        return True
+    if after.training is None or after.training is before.training:
+        return False
+    return all(runner is not after.training for _, runner in before.sized)
 
 
 def _check_updated_inputs(
@@ -707,22 +728,73 @@ def _input_dims(
     )
 
 
-def _session_pipeline(grad: GradState, *, symbolic: bool) -> passes.Pass:
+def _session_pipeline(
+    grad: GradState, *, symbolic: bool, sizes: tuple[tuple[int, ...], ...] = ()
+) -> passes.Pass:
     return passes.for_session(
         frozenset(i for i, rg in enumerate(grad.inputs) if rg),
         frozenset(n for n, rg in zip(grad.param_names, grad.params, strict=True) if rg),
         seed=torch.initial_seed(),
         symbolic=symbolic,
+        sizes=sizes,
     )
 
 
+def _training_for_sizes(
+    shell: Shell,
+    compiled: Compiled,
+    device: torch.device,
+    call: Call,
+    leaves: list[Any],
+    sizes: tuple[tuple[int, ...], ...],
+) -> Compiled:
+    """The entry with a training runner for these input sizes: the dynamic one (``sizes``
+    empty), one kept from an earlier call of the same sizes, or a new one (logged)."""
+    if not sizes:
+        return _with_training_runner(shell, compiled, device, call, leaves, sizes)
+    kept = dict(compiled.sized)
+    if sizes in kept:
+        return attrs.evolve(compiled, training=kept[sizes], sizes=sizes)
+    _log_sized_session(shell, compiled, call, sizes)
+    built = _with_training_runner(shell, compiled, device, call, leaves, sizes)
+    assert built.training is not None
+    cache = (*((k, r) for k, r in compiled.sized if k != sizes), (sizes, built.training))
+    return attrs.evolve(built, sizes=sizes, sized=cache[-SIZED_RUNNERS:])
+
+
+def _log_sized_session(
+    shell: Shell, compiled: Compiled, call: Call, sizes: tuple[tuple[int, ...], ...]
+) -> None:
+    """One transition line: which input sizes the new training session is built for, and why."""
+    info = compiled.info
+    why = STATIC_SIZES_SESSION.format(ops=", ".join(info.static_size_ops))
+    paths = [
+        info.input_schema.paths[spec.source]  # type: ignore[index]
+        for spec in info.inputs
+        if spec.kind is InputKind.USER
+    ]
+    before = compiled.sizes or (None,) * len(sizes)
+    reasons = tuple(
+        Reason(path, "any size" if was is None else str(list(was)), str(list(now)), why)
+        for path, was, now in zip(paths, before, sizes, strict=True)
+        if was != now
+    )
+    line = str(Transition(shell.state.stats.calls, "new session", reasons))
+    logs.transition(shell.log, line, "")
+
+
 def _with_training_runner(
-    shell: Shell, compiled: Compiled, device: torch.device, call: Call, leaves: list[Any]
+    shell: Shell,
+    compiled: Compiled,
+    device: torch.device,
+    call: Call,
+    leaves: list[Any],
+    sizes: tuple[tuple[int, ...], ...] = (),
 ) -> Compiled:
     options = shell.options
     level = options.memory_opt_level
     plans = memory.parse_config(options.memory_opt_config) if level == 0 else ()
-    info = _session_pipeline(call.grad, symbolic=bool(level or plans))(compiled.info)
+    info = _session_pipeline(call.grad, symbolic=bool(level or plans), sizes=sizes)(compiled.info)
     prefix = logs.save_prefix(options)
     dims = _input_dims(compiled.info, leaves)
 
@@ -812,7 +884,7 @@ def memory_report(shell: Shell) -> tuple[tuple[MemoryPlan, ...], Shell]:
             continue
         if compiled.memory is not None:
             return compiled.memory, shell
-        info = _session_pipeline(entry.grad, symbolic=True)(compiled.info)
+        info = _session_pipeline(entry.grad, symbolic=True, sizes=compiled.sizes)(compiled.info)
         probe = open_training(
             info,
             torch.device(entry.session.device),
