@@ -274,3 +274,10 @@ NO_GRADIENT_GRAPH = (
     "Train in float32 (model.float()), run the validation loop under torch.no_grad(), or call "
     "the module outside ortfx."
 )
+
+NOT_FLOAT32 = (
+    "The graph computes in {dtypes}: ORT 1.19's CPU kernels, and its gradient kernels above all, "
+    "cover float32 (many have no float64, float16 or bfloat16 version). Train in float32 "
+    "(model.float()), or keep the fallback policy's UNSUPPORTED_ONNX_MODEL flag (on by default) "
+    "so such calls run in PyTorch."
+)

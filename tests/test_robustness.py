@@ -168,3 +168,25 @@ def test_higher_order_gradients_raise_a_clear_error() -> None:
     assert str(info.value) == HIGHER_ORDER_GRADIENTS
     (g,) = torch.autograd.grad(wrapped(x).sum(), x)  # first order is fine
     assert g.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_dtypes_without_ort_kernels_name_the_op_the_dtype_and_the_policy(
+    dtype: torch.dtype,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU()).to(dtype)
+    x = torch.randn(2, 4, dtype=dtype)
+    with pytest.raises(ortfx.OrtfxUnsupportedOpError) as info:
+        ortfx.ORTModule(copy.deepcopy(model), options=STRICT)(x).sum().backward()
+    text = str(info.value)
+    assert "cannot train operator" in text
+    assert f"The graph computes in {str(dtype).removeprefix('torch.')}" in text
+    assert "UNSUPPORTED_ONNX_MODEL" in text
+    wrapped = ortfx.ORTModule(copy.deepcopy(model))  # the default policy: PyTorch, loudly
+    logging.getLogger("ortfx").disabled = True
+    try:
+        y = wrapped(x)
+    finally:
+        logging.getLogger("ortfx").disabled = False
+    assert y.dtype == dtype and torch.equal(y, model(x))
+    assert ortfx.stats(wrapped).fallback_calls == 1

@@ -22,6 +22,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 from ortfx.errors import (
     CUDA_PROVIDER_MISSING,
     EMPTY_TENSOR_TRAINING,
+    NOT_FLOAT32,
     ORT_MISSING,
     UNSUPPORTED_LAYOUT,
     UNSUPPORTED_OP,
@@ -129,16 +130,31 @@ def unsupported_op(model: bytes, error: Exception, *, what: str) -> OrtfxError |
     if not op:
         return None
     op = op.removesuffix("Grad") if op not in ops.values() else op
-    return OrtfxUnsupportedOpError(
-        UNSUPPORTED_OP.format(
-            what=what,
-            op=op,
-            node=f" (node {forward})" if forward else "",
-            detail=_detail(text),
-        ),
+    message = UNSUPPORTED_OP.format(
+        what=what,
         op=op,
-        node=forward,
+        node=f" (node {forward})" if forward else "",
+        detail=_detail(text),
     )
+    dtypes = _float_dtypes(model) - {"float32"}
+    if dtypes and "Could not find an implementation" in text:
+        message += " " + NOT_FLOAT32.format(dtypes=", ".join(sorted(dtypes)))
+    return OrtfxUnsupportedOpError(message, op=op, node=forward)
+
+
+_FLOAT_NAMES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+}
+
+
+def _float_dtypes(model: bytes) -> set[str]:
+    """The floating dtypes of the graph's inputs (the module's parameters among them)."""
+    graph = onnx.load_model_from_string(model).graph
+    types = {i.type.tensor_type.elem_type for i in graph.input}
+    return {_FLOAT_NAMES[t] for t in types if t in _FLOAT_NAMES}
 
 
 def _session(
