@@ -136,16 +136,12 @@ class Sampler:
 
 
 def _disable_ort_arena() -> None:
-    from ortfx.runtime import session
+    from ortfx.runtime import events
 
-    original = session.session_options
-
-    def session_options(*args: Any, **kwargs: Any) -> Any:
-        so = original(*args, **kwargs)
+    def no_arena(so: Any, training: bool) -> None:
         so.enable_cpu_mem_arena = False
-        return so
 
-    session.session_options = session_options  # type: ignore[assignment]
+    events.session_option_edits.append(no_arena)
 
 
 def measure(model_name: str, config: str, warmup: int, steps: int, seed: int) -> dict[str, Any]:

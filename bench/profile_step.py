@@ -62,37 +62,27 @@ def profile_ortfx(ns: argparse.Namespace) -> dict[str, Any]:
 
     from bench.models import build
     from ortfx import passes
-    from ortfx.runtime import session
+    from ortfx.runtime import events
 
     if ns.graph_pass:
-        # An extra ortfx pass on the graph every TrainingRunner receives (to measure one).
-        extra = getattr(passes, ns.graph_pass)
-        unpatched = session.TrainingRunner.__init__
-
-        def init(self: Any, info: Any, *args: Any, **kwargs: Any) -> None:
-            unpatched(self, extra(info), *args, **kwargs)
-
-        session.TrainingRunner.__init__ = init  # type: ignore[method-assign]
+        # An extra ortfx pass on the graph every session receives (to measure one).
+        events.session_passes.append(getattr(passes, ns.graph_pass))
     torch.set_num_threads(ns.threads)
     prefix = os.path.join(tempfile.mkdtemp(prefix="ortprof-"), "ortfx")
-    original_so = session.session_options
 
-    def session_options(*args: Any, **kwargs: Any) -> Any:
-        so = original_so(*args, **kwargs)
+    def profiling(so: Any, training: bool) -> None:
         so.enable_profiling = True
         so.profile_file_prefix = prefix
-        return so
 
-    session.session_options = session_options
+    events.session_option_edits.append(profiling)
     runners: list[tuple[Any, float]] = []
-    original_init = session.TrainingRunner.__init__
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        original_init(self, *args, **kwargs)
-        runners.append((self, start))
+    def session_opened(name: str, *args: Any) -> None:
+        if name == "session" and args[0] == "training":
+            # ORT's profiler clock started when this session was created, just before.
+            runners.append((args[1], time.perf_counter() - args[1].session_seconds))
 
-    session.TrainingRunner.__init__ = __init__  # type: ignore[method-assign]
+    events.listen(session_opened)
 
     import ortfx
 
@@ -102,7 +92,7 @@ def profile_ortfx(ns: argparse.Namespace) -> dict[str, Any]:
     for i in range(ns.warmup):
         step(wrapped, *batches[i], loss_fn)
     runner, created = runners[-1]
-    # ORT's profiler clock starts when the session is created (inside TrainingRunner.__init__)
+    # ORT's profiler clock starts when the session is created (inside open_training)
     cutoff_us = (time.perf_counter() - created) * 1e6
     times = []
     for i in range(ns.warmup, ns.warmup + ns.steps):

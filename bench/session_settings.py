@@ -88,20 +88,17 @@ def patch(variant: str, when: Callable[[], bool] = lambda: True) -> None:
     this process, for sessions created while ``when()`` is true."""
     import onnxruntime as ort
 
-    from ortfx.runtime import session
+    from ortfx.runtime import events
 
     so_edit = VARIANTS[variant][1]
     if so_edit is None:
         return
-    original = session.session_options
 
-    def session_options(*args: Any, **kwargs: Any) -> Any:
-        so = original(*args, **kwargs)
-        if kwargs.get("training", True) and when():
+    def edit(so: Any, training: bool) -> None:
+        if training and when():
             so_edit(so, ort)
-        return so
 
-    session.session_options = session_options
+    events.session_option_edits.append(edit)
 
 
 def worker(ns: argparse.Namespace) -> None:

@@ -16,11 +16,22 @@ from typing import Any
 
 _listeners: list[Callable[..., None]] = []
 
+# Adjustment seams for benchmarks (measuring a setting or a pass without changing ortfx): each
+# edit gets every ORT SessionOptions ortfx makes, with whether it is for training; each pass is
+# appended to the session pipeline (``ortfx.passes.for_session``). Empty in normal use.
+session_option_edits: list[Callable[[Any, bool], None]] = []
+session_passes: list[Callable[[Any], Any]] = []
+
 
 def emit(name: str, *args: Any) -> None:
     if _listeners:
         for listener in tuple(_listeners):
             listener(name, *args)
+
+
+def listen(listener: Callable[..., None]) -> None:
+    """Call ``listener(name, *args)`` for every event from now on (benchmarks)."""
+    _listeners.append(listener)
 
 
 @contextlib.contextmanager

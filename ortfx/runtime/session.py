@@ -37,7 +37,7 @@ from ortfx.errors import (
 from ortfx.export import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
-from ortfx.runtime import pythonop
+from ortfx.runtime import events, pythonop
 
 try:
     import onnxruntime as ort
@@ -185,6 +185,8 @@ def session_options(options: Options, *, training: bool, deterministic: bool) ->
     if deterministic:
         so.use_deterministic_compute = True
     so.log_severity_level = 3
+    for edit in events.session_option_edits:
+        edit(so, training)
     return so
 
 

@@ -731,13 +731,14 @@ def _input_dims(
 def _session_pipeline(
     grad: GradState, *, symbolic: bool, sizes: tuple[tuple[int, ...], ...] = ()
 ) -> passes.Pass:
-    return passes.for_session(
+    pipeline = passes.for_session(
         frozenset(i for i, rg in enumerate(grad.inputs) if rg),
         frozenset(n for n, rg in zip(grad.param_names, grad.params, strict=True) if rg),
         seed=torch.initial_seed(),
         symbolic=symbolic,
         sizes=sizes,
     )
+    return passes.chain(pipeline, *events.session_passes) if events.session_passes else pipeline
 
 
 def _training_for_sizes(
