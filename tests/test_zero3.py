@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import ortfx
 from ortfx.hooks import zero3
+from tests.test_hooks import Scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-6
@@ -202,20 +202,10 @@ def test_negative_controls_fail(ranks: list[dict[str, Any]], control: str, becau
 # ---- in-process: no DeepSpeed launch needed ------------------------------------------------
 
 
-class _Scaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(3, 2)
-        self.scale = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * self.scale
-
-
 def test_deepspeed_bookkeeping_attributes_do_not_invalidate() -> None:
     """ds_* and DeepSpeed's per-forward counters set on the wrapper stay on it (the user's
     forward cannot read them) and keep the graph; other attributes still invalidate."""
-    model = ortfx.ORTModule(_Scaled())
+    model = ortfx.ORTModule(Scaled())
     x = torch.randn(4, 3)
     model(x)
     for value in range(3):
@@ -232,7 +222,7 @@ def test_deepspeed_bookkeeping_attributes_do_not_invalidate() -> None:
 
 
 def test_a_ds_attribute_the_module_has_is_still_forwarded() -> None:
-    inner = _Scaled()
+    inner = Scaled()
     inner.ds_scale = 1.0  # type: ignore[assignment]
     model = ortfx.ORTModule(inner)
     model(torch.randn(4, 3))
@@ -246,7 +236,7 @@ def test_a_ds_attribute_the_module_has_is_still_forwarded() -> None:
 def test_partitioned_parameters_without_the_hooks_raise() -> None:
     """A parameter carrying ZeRO-3's ds_shape in a wrapper without the hooks is an error, not
     an export of a (0,)-shaped weight."""
-    inner = _Scaled()
+    inner = Scaled()
     inner.lin.weight.ds_shape = inner.lin.weight.shape  # type: ignore[attr-defined]
     model = ortfx.ORTModule(inner)
     with pytest.raises(ortfx.OrtfxInitError) as info:
