@@ -56,6 +56,14 @@ UNSUPPORTED_LEAF = (
     "or call the module outside ortfx."
 )
 
+UNSUPPORTED_CACHE = (
+    "{where} {path} has type {type_name}, inside the cache object {cache}, which ortfx cannot "
+    "carry through an ONNX graph: ortfx knows transformers' cache classes (DynamicCache, "
+    "StaticCache, EncoderDecoderCache and their layers, holding tensors and Python scalars), "
+    "not this one. Call the model with use_cache=False (or set model.config.use_cache = False) "
+    "to run it in ONNX Runtime without a cache, or call the module outside ortfx."
+)
+
 UNSUPPORTED_LAYOUT = (
     "{where} {path} is a {layout} tensor; ortfx carries only dense (torch.strided) tensors "
     "through an ONNX graph. Convert it with .to_dense() before the call, or call the module "

@@ -199,15 +199,38 @@ def add_dropout_masks(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def _has_symbolic_dim(value: onnx.ValueInfoProto) -> bool:
+    dims = value.type.tensor_type.shape.dim
+    return any(d.HasField("dim_param") for d in dims)
+
+
 @graph_pass
 def separate_outputs(model: onnx.ModelProto) -> bool:
-    """Give each graph output its own value: a returned input or a tensor returned twice gets
-    an Identity, so ORT yields (and takes gradients for) every output position separately."""
+    """Give each graph output its own value: a returned input, a tensor returned twice or a
+    constant (which ORT turns into an initializer, leaving the output without a producer for
+    its gradient builder) gets an Identity, so ORT yields (and takes gradients for) every
+    output position separately."""
     inputs = {i.name for i in model.graph.input}
+    constants = {o for n in model.graph.node if _standard(n, "Constant") for o in n.output}
+    dynamic = next((i.name for i in model.graph.input if _has_symbolic_dim(i)), None)
     seen: set[str] = set()
     changed = False
     for k, output in enumerate(model.graph.output):
-        if output.name in inputs or output.name in seen:
+        if output.name in constants and dynamic is not None:
+            # An Identity would be folded back into an initializer: expand it by an empty
+            # shape taken from an input with symbolic dims, which ORT cannot fold.
+            fresh, tag = f"{output.name}_output_{k}", f"ortfx_{output.name}_output_{k}"
+            model.graph.node.extend(
+                [
+                    onnx.helper.make_node("Shape", [dynamic], [f"{tag}_shape"], start=0, end=0),
+                    onnx.helper.make_node(
+                        "Expand", [output.name, f"{tag}_shape"], [fresh], name=tag
+                    ),
+                ]
+            )
+            output.name = fresh
+            changed = True
+        elif output.name in inputs or output.name in seen:
             fresh = f"{output.name}_output_{k}"
             model.graph.node.append(
                 onnx.helper.make_node("Identity", [output.name], [fresh], name=f"ortfx_{fresh}")

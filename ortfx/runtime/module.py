@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import torch
 
+from ortfx import io
 from ortfx.errors import (
     ALREADY_WRAPPED,
     BAD_DEBUG_OPTIONS,
@@ -152,7 +153,9 @@ class ORTModule(torch.nn.Module):
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         try:
-            result, shell = engine.call(self._ortfx, self.module, args, kwargs)
+            # Caches in the call are changed in place, as in PyTorch (see ortfx.io.originals).
+            with io.originals(io.call_tree(args, kwargs)):
+                result, shell = engine.call(self._ortfx, self.module, args, kwargs)
         except engine.CallFailed as e:
             failed = e
         if failed is not None:
