@@ -185,10 +185,19 @@ def test_the_trainer_trains_in_ort_saves_and_resumes(tmp_path: Path) -> None:
     assert ortfx.stats(rewrapped).fallback_calls == 0
 
 
-def test_gradient_checkpointing_trains_in_ort() -> None:
+def test_gradient_checkpointing_trains_in_ort_with_layer_wise_recompute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """``gradient_checkpointing_enable()`` (torch.utils.checkpoint per layer) is traced as
-    plain code: the same loss and gradients, in ORT."""
-    plain, wrapped = _pair("llama")
+    plain code and becomes ORT's layer-wise recompute: the same loss and gradients, in ORT."""
+    torch.manual_seed(0)
+    plain = MODELS["llama"]()
+    options = ortfx.Options(
+        fallback_policy=ortfx.FallbackPolicy.DISABLE,
+        memory_opt_level=1,
+        log_level=ortfx.LogLevel.INFO,
+    )
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=options)
     plain.gradient_checkpointing_enable()
     wrapped.gradient_checkpointing_enable()
     ids = _ids()
@@ -200,6 +209,8 @@ def test_gradient_checkpointing_trains_in_ort() -> None:
     for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
     assert ortfx.stats(wrapped).fallback_calls == 0
+    assert "calls torch.utils.checkpoint 2 time(s)" in caplog.text
+    assert "memory_opt_level 1 recomputes layer-wise" in caplog.text
 
 
 class UnknownCache:
@@ -227,3 +238,80 @@ def test_an_unknown_cache_type_names_the_object_its_path_and_the_fix() -> None:
     assert "output['past_key_values']" in message
     assert "UnknownCache" in message
     assert "use_cache=False" in message
+
+
+def _t5() -> torch.nn.Module:
+    config = transformers.T5Config(
+        num_layers=2, d_model=32, d_ff=64, d_kv=16, num_heads=2, vocab_size=VOCAB,
+        dropout_rate=0.0, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _bart() -> torch.nn.Module:
+    config = transformers.BartConfig(
+        encoder_layers=2, decoder_layers=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        eos_token_id=VOCAB + 1,  # out of range: generation runs its full length
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("build", [_t5, _bart], ids=["t5", "bart"])
+def test_an_encoder_decoder_trains_and_generates_with_its_cache(
+    build: Callable[[], torch.nn.Module],
+) -> None:
+    """Loss and gradients in train mode, then greedy and beam tokens with and without the
+    cache (an EncoderDecoderCache in and out), all in ORT."""
+    torch.manual_seed(0)
+    plain = build()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+    ids = _ids()
+    expected = plain(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = wrapped(input_ids=ids, labels=ids)
+    got.loss.backward()
+    # T5 returns an EncoderDecoderCache; BART turns the cache off itself when given labels
+    assert type(got.past_key_values) is type(expected.past_key_values)
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+    for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    plain.eval()
+    wrapped.eval()
+    for kwargs in ({}, {"num_beams": 2}, {"use_cache": False}):
+        a = plain.generate(ids[:, :5], max_new_tokens=4, do_sample=False, **kwargs)
+        b = wrapped.generate(ids[:, :5], max_new_tokens=4, do_sample=False, **kwargs)
+        assert torch.equal(a, b), kwargs
+    stats = ortfx.stats(wrapped)
+    # train, then per mode of generate its decoder calls (the encoder runs once per generate
+    # through model.get_encoder(), in PyTorch: transformers calls it directly)
+    assert stats.fallback_calls == 0
+    assert stats.calls == 1 + 3 * 4
+    assert stats.exports <= 4
+
+
+class Base(torch.nn.Module):
+    def describe(self) -> str:
+        return "base"
+
+
+class UsesSuper(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+    def describe(self) -> str:
+        return "child of " + super().describe()
+
+
+def test_a_user_method_calling_super_works_on_the_wrapper() -> None:
+    """Methods that call zero-argument ``super()`` (Phi-3's ``prepare_inputs_for_generation``)
+    run on the wrapped module, found on the wrapper's class and instance alike."""
+    wrapped = ortfx.ORTModule(UsesSuper())
+    assert wrapped.describe() == "child of base"
+    assert type(wrapped).describe(wrapped) == "child of base"
