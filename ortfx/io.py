@@ -300,14 +300,12 @@ def check_leaves(
             type_name = type(leaf).__qualname__
             inside = [t for _, t in containers(spec, root=root)[i] if "Cache" in t]
             if "Cache" in type_name or inside:
-                raise OrtfxIOError(
-                    UNSUPPORTED_CACHE.format(
-                        where=where,
-                        path=path,
-                        type_name=type_name,
-                        cache=(inside or [type_name])[0],
-                    )
+                what = (
+                    f"has type {type_name}, inside the cache object {inside[0]}"
+                    if inside
+                    else f"is a cache object of type {type_name} that ortfx does not know"
                 )
+                raise OrtfxIOError(UNSUPPORTED_CACHE.format(where=where, path=path, what=what))
             raise OrtfxIOError(UNSUPPORTED_LEAF.format(where=where, path=path, type_name=type_name))
         if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
             path = leaf_paths(spec, root=root)[i]

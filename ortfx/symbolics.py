@@ -24,6 +24,8 @@ import torch.onnx.symbolic_helper as helper
 import torch.onnx.symbolic_opset11 as opset11
 import torch.onnx.symbolic_opset14 as opset14
 
+from ortfx import aten
+
 _INT64_MAX = 2**63 - 1
 _registered: list[bool] = []
 _lock = threading.Lock()
@@ -103,5 +105,8 @@ def register() -> None:
         register_op: Any = torch.onnx.register_custom_op_symbolic  # type: ignore[attr-defined]
         register_op("aten::diff", diff, 9)
         register_op("aten::cumsum", cumsum, 11)
+        if aten.install():  # ops run by torch inside the graph need the bridge's executor
+            for name, (symbolic, opset) in aten.SYMBOLICS.items():
+                register_op(name, symbolic, opset)
         register_op("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14)
         _registered.append(True)

@@ -315,3 +315,19 @@ def test_a_user_method_calling_super_works_on_the_wrapper() -> None:
     wrapped = ortfx.ORTModule(UsesSuper())
     assert wrapped.describe() == "child of base"
     assert type(wrapped).describe(wrapped) == "child of base"
+
+
+class HoldsAStream(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        cache = cache_utils.DynamicCache()
+        cache.extra = object()  # something no graph can carry
+        return {"out": x * 2, "past_key_values": cache}
+
+
+def test_a_cache_holding_an_unknown_object_names_the_attribute_path() -> None:
+    with pytest.raises(ortfx.OrtfxIOError) as info:
+        ortfx.ORTModule(HoldsAStream(), options=STRICT)(torch.randn(2))
+    message = str(info.value)
+    assert "output['past_key_values'].extra has type object, inside the cache object" in message
+    assert "DynamicCache" in message
+    assert "use_cache=False" in message
