@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ortfx-installed
 
-.PHONY: demo convergence-demo test lint typecheck pytest bench clean
+.PHONY: demo hf-demo convergence-demo test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml setup.py ortfx/_bridge.cpp
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml setup.py ortfx/_bridge.cpp
 
 demo: $(STAMP)
 	$(PY) -m ortfx.demo
+
+# A Hugging Face Llama (tiny config) training and generating through ortfx (docs/huggingface.md).
+hf-demo: $(STAMP)
+	$(PY) -m ortfx.hf_demo
 
 # The convergence workflow (docs/convergence.md) on the demo model, with a planted divergence.
 convergence-demo: $(STAMP)

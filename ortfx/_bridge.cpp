@@ -146,6 +146,102 @@ using Runner = std::vector<PyObject*> (*)(const char*, void*, const std::vector<
                                           const std::vector<int64_t>&, const char*, bool,
                                           const std::vector<PyObject*>&);
 
+// ---- the ATen executor: ORT's org.pytorch.aten::ATen nodes run a torch op -------------------
+//
+// ORT takes two plain-C function addresses (register_aten_op_executor) and calls them without
+// the GIL. Tensors cross as DLPack: an input pointer is wrapped in a "dltensor" capsule that
+// torch.from_dlpack consumes (it then owns it and calls its deleter); an output capsule from
+// torch.utils.dlpack.to_dlpack is renamed "used_dltensor" here, so ORT owns the pointer.
+
+PyObject* aten_tensor_target = nullptr;  // (op, overload, index, is_input) -> bool
+PyObject* aten_execute_target = nullptr;  // (op, overload, inputs, n_out) -> list
+
+bool aten_is_tensor_argument(const char* op, const char* overload, size_t index, bool is_input) {
+  Gil gil;
+  if (aten_tensor_target == nullptr) {
+    throw std::runtime_error("ortfx ATen: no Python executor is registered");
+  }
+  PyObject* result = PyObject_CallFunction(aten_tensor_target, "ssnO", op, overload,
+                                           static_cast<Py_ssize_t>(index),
+                                           is_input ? Py_True : Py_False);
+  if (result == nullptr) throw std::runtime_error(take_error_text());
+  int truth = PyObject_IsTrue(result);
+  Py_DECREF(result);
+  if (truth < 0) throw std::runtime_error(take_error_text());
+  return truth == 1;
+}
+
+void aten_execute(const char* op, const char* overload, size_t n_in, void** inputs, size_t n_out,
+                  void** outputs) {
+  Gil gil;
+  if (aten_execute_target == nullptr) {
+    throw std::runtime_error("ortfx ATen: no Python executor is registered");
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n_in));
+  if (list == nullptr) throw std::runtime_error(take_error_text());
+  for (size_t i = 0; i < n_in; ++i) {
+    PyObject* item = inputs[i] != nullptr ? PyCapsule_New(inputs[i], "dltensor", nullptr)
+                                          : (Py_INCREF(Py_None), Py_None);
+    if (item == nullptr) {
+      Py_DECREF(list);
+      throw std::runtime_error(take_error_text());
+    }
+    PyList_SetItem(list, static_cast<Py_ssize_t>(i), item);  // steals item
+  }
+  PyObject* result = PyObject_CallFunction(aten_execute_target, "ssOn", op, overload, list,
+                                           static_cast<Py_ssize_t>(n_out));
+  Py_DECREF(list);
+  if (result == nullptr) throw std::runtime_error(take_error_text());
+  if (!PyList_Check(result) || PyList_Size(result) != static_cast<Py_ssize_t>(n_out)) {
+    Py_DECREF(result);
+    throw std::runtime_error("ortfx ATen: the Python executor must return one item per output");
+  }
+  for (size_t i = 0; i < n_out; ++i) {
+    PyObject* item = PyList_GetItem(result, static_cast<Py_ssize_t>(i));  // borrowed
+    if (item == Py_None) {
+      outputs[i] = nullptr;
+      continue;
+    }
+    void* pointer = PyCapsule_GetPointer(item, "dltensor");
+    if (pointer == nullptr || PyCapsule_SetName(item, "used_dltensor") != 0) {
+      Py_DECREF(result);
+      throw std::runtime_error(take_error_text());
+    }
+    outputs[i] = pointer;
+  }
+  Py_DECREF(result);
+}
+
+// The executor types ORT 1.19 expects (DLManagedTensor** passed as void**).
+using IsTensorArgument = bool (*)(const char*, const char*, size_t, bool);
+using Execute = void (*)(const char*, const char*, size_t, void**, size_t, void**);
+
+PyObject* set_aten_executor(PyObject*, PyObject* args) {
+  PyObject *is_tensor = nullptr, *execute = nullptr;
+  if (!PyArg_ParseTuple(args, "OO:set_aten_executor", &is_tensor, &execute)) return nullptr;
+  if (!PyCallable_Check(is_tensor) || !PyCallable_Check(execute)) {
+    PyErr_SetString(PyExc_TypeError, "set_aten_executor(is_tensor, execute) takes two callables");
+    return nullptr;
+  }
+  Py_INCREF(is_tensor);
+  Py_INCREF(execute);
+  PyObject* old_is_tensor = aten_tensor_target;
+  PyObject* old_execute = aten_execute_target;
+  aten_tensor_target = is_tensor;
+  aten_execute_target = execute;
+  Py_XDECREF(old_is_tensor);
+  Py_XDECREF(old_execute);
+  Py_RETURN_NONE;
+}
+
+PyObject* aten_addresses(PyObject*, PyObject*) {
+  return Py_BuildValue(
+      "(NN)",
+      PyLong_FromVoidPtr(
+          reinterpret_cast<void*>(static_cast<IsTensorArgument>(&aten_is_tensor_argument))),
+      PyLong_FromVoidPtr(reinterpret_cast<void*>(static_cast<Execute>(&aten_execute))));
+}
+
 PyObject* set_runners(PyObject*, PyObject* args) {
   PyObject *forward = nullptr, *backward = nullptr;
   if (!PyArg_ParseTuple(args, "OO:set_runners", &forward, &backward)) return nullptr;
@@ -167,6 +263,8 @@ PyObject* set_runners(PyObject*, PyObject* args) {
 PyObject* clear(PyObject*, PyObject*) {
   Py_CLEAR(forward_target);
   Py_CLEAR(backward_target);
+  Py_CLEAR(aten_tensor_target);
+  Py_CLEAR(aten_execute_target);
   Py_RETURN_NONE;
 }
 
@@ -192,6 +290,10 @@ PyMethodDef methods[] = {
     {"backward_runner_address", backward_runner_address, METH_NOARGS,
      "Address of the backward runner, for register_backward_runner."},
     {"refcount", refcount, METH_O, "The reference count of an object, as ORT checks it."},
+    {"set_aten_executor", set_aten_executor, METH_VARARGS,
+     "set_aten_executor(is_tensor, execute): the Python functions the ATen executor calls."},
+    {"aten_addresses", aten_addresses, METH_NOARGS,
+     "(is_tensor_argument, execute) addresses, for register_aten_op_executor."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -74,6 +74,14 @@ UNSUPPORTED_LEAF = (
     "or call the module outside ortfx."
 )
 
+UNSUPPORTED_CACHE = (
+    "{where} {path} {what}, which ortfx cannot carry through an ONNX graph: ortfx knows "
+    "transformers' cache classes (DynamicCache, "
+    "StaticCache, EncoderDecoderCache and their layers, holding tensors and Python scalars), "
+    "not this one. Call the model with use_cache=False (or set model.config.use_cache = False) "
+    "to run it in ONNX Runtime without a cache, or call the module outside ortfx."
+)
+
 UNSUPPORTED_LAYOUT = (
     "{where} {path} is a {layout} tensor; ortfx carries only dense (torch.strided) tensors "
     "through an ONNX graph. Convert it with .to_dense() before the call, or call the module "
@@ -234,6 +242,11 @@ CHECKPOINT_NOT_RECOMPUTED = (
     "functions as plain code, so at memory_opt_level 0 their activations are kept like any "
     "others (no recompute). For layer-wise recompute inside ONNX Runtime pass "
     "Options(memory_opt_level=1) or set ORTMODULE_MEMORY_OPT_LEVEL=1"
+)
+
+OPS_IN_TORCH = (
+    "%s cannot be expressed in ONNX; ortfx exported it as ATen node(s) that ONNX Runtime runs "
+    "by calling torch inside the graph (no gradient flows through them)"
 )
 
 MEMORY_CONFIG_IGNORED = (

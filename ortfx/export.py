@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 import torch
 
-from ortfx import io
+from ortfx import io, symbolics
 from ortfx.errors import OrtfxExportError, OrtfxIOError
 from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
@@ -461,7 +461,8 @@ class _FlatCall(torch.nn.Module):
         except BaseException as e:
             self.raised = e
             raise
-        out_leaves, out_spec = io.flatten(out)
+        with io.state_sources(io.call_tree(args, kwargs)):  # caches returned are the inputs'
+            out_leaves, out_spec = io.flatten(out)
         io.check_leaves(out_leaves, out_spec, root="output", where="output")
         self.output_schema = ModelSchema.from_flat(out_leaves, out_spec, root="output")
         self.output_leaves = out_leaves
@@ -619,6 +620,7 @@ def _export_torchscript(
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", tracer_warning)
         _register_pythonop_symbolic()
+        symbolics.register()  # aten::diff, grouped-query attention
         torch.onnx.export(
             flat,
             tensors,

@@ -10,16 +10,19 @@ a leaf change that explanations can name, not an anonymous change of tree struct
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import attrs
 import optree
 import torch
 
-from ortfx.errors import UNSUPPORTED_LAYOUT, UNSUPPORTED_LEAF, OrtfxIOError
+from ortfx.errors import UNSUPPORTED_CACHE, UNSUPPORTED_LAYOUT, UNSUPPORTED_LEAF, OrtfxIOError
 
 NAMESPACE: Final = "ortfx"
 
@@ -65,12 +68,148 @@ def _unflatten_mapping(cls: type) -> Callable[[Any, Any], Any]:
     return unflatten
 
 
+# ---- mutable state objects (transformers' key/value caches) ------------------------------------
+#
+# A cache is passed in, changed in place by the forward and returned (``past_key_values``). It
+# flattens to its attributes: tensors, static values and nested states are children, and
+# dtype/device/class attributes are metadata. Rebuilt without ``__init__`` (the state is its
+# attributes). So that the caller sees PyTorch's in-place semantics, an output state that was an
+# input state while exported carries that input's position (``source``); restored inside
+# :func:`originals`, it is the caller's own object with the new attributes written into it.
+
+# transformers' cache base classes: (module, class name); imported only if the user did.
+_STATE_BASES: Final = (
+    ("transformers.cache_utils", "Cache"),
+    ("transformers.cache_utils", "CacheLayerMixin"),
+    ("transformers.cache_utils", "LinearAttentionCacheLayerMixin"),
+    ("transformers.cache_utils", "DummyLayer"),
+)
+_METADATA_TYPES: Final = (torch.dtype, torch.device, type)
+# Attributes that are Python ints in PyTorch but come out of a trace as 0-dim tensors (a size
+# read while traced is a tensor): given back as ints, so the next call keys on their value.
+_INT_ATTRIBUTES: Final = frozenset({"cumulative_length"})
+
+# id of an input state object -> its position among the call's states (set while exporting)
+_SOURCES: contextvars.ContextVar[dict[int, int] | None] = contextvars.ContextVar(
+    "ortfx_state_sources", default=None
+)
+# The caller's state objects, in flatten order (set around a call of the wrapper)
+_ORIGINALS: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
+    "ortfx_state_originals", default=None
+)
+
+
+def is_state_type(cls: type) -> bool:
+    """Whether ``cls`` is a mutable state (a transformers cache or cache layer) we flatten."""
+    for module_name, name in _STATE_BASES:
+        base = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(base, type) and issubclass(cls, base):
+            return True
+    return False
+
+
+def _flatten_state(obj: Any) -> tuple[list[Any], Any, tuple[str, ...]]:
+    data = vars(obj)
+    names = tuple(k for k, v in data.items() if not isinstance(v, _METADATA_TYPES))
+    static = tuple((k, v) for k, v in data.items() if isinstance(v, _METADATA_TYPES))
+    sources = _SOURCES.get()
+    source = None if sources is None else sources.get(id(obj))
+    ints = ()
+    if sources is not None and torch.jit.is_tracing():  # type: ignore[attr-defined,no-untyped-call]
+        ints = tuple(
+            k
+            for k in names
+            if k in _INT_ATTRIBUTES
+            and _traced_size(data[k])
+            and not _tensor_attribute(type(obj), k)
+        )
+    return [data[k] for k in names], (names, static, source, ints), names
+
+
+def _tensor_attribute(cls: type, name: str) -> bool:
+    """Whether ``cls`` annotates ``name`` as a tensor (StaticLayer's cumulative_length)."""
+    return any(
+        str(vars(klass).get("__annotations__", {}).get(name, ""))
+        in ("torch.Tensor", str(torch.Tensor))
+        for klass in cls.__mro__
+    )
+
+
+def _traced_size(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()
+
+
+def _unflatten_state(cls: type) -> Callable[[Any, Any], Any]:
+    def unflatten(metadata: Any, children: Any) -> Any:
+        names, static, source, ints = metadata
+        attributes = {**dict(zip(names, children, strict=True)), **dict(static)}
+        attributes.update({k: int(attributes[k]) for k in ints})
+        originals = _ORIGINALS.get()
+        if source is not None and originals is not None and source < len(originals):
+            obj = originals[source]
+            if type(obj) is cls:  # the caller's own object, changed in place as in PyTorch
+                vars(obj).clear()
+                vars(obj).update(attributes)
+                return obj
+        obj = object.__new__(cls)
+        obj.__dict__.update(attributes)
+        return obj
+
+    return unflatten
+
+
+def states(tree: Any, /) -> list[Any]:
+    """The state objects in ``tree`` (outer before inner, in flatten order)."""
+    found: list[Any] = []
+
+    def note(x: Any) -> bool:
+        if is_state_type(type(x)):
+            found.append(x)
+        return False
+
+    flatten(tree)  # registers every type on the way
+    optree.tree_flatten(tree, is_leaf=note, none_is_leaf=True, namespace=NAMESPACE)
+    return found
+
+
+@contextlib.contextmanager
+def state_sources(call: Any, /) -> Iterator[None]:
+    """While exporting: output states that are states of ``call`` record their position."""
+    token = _SOURCES.set({id(s): k for k, s in enumerate(states(call))})
+    try:
+        yield
+    finally:
+        _SOURCES.reset(token)
+
+
+@contextlib.contextmanager
+def originals(call: Any, /) -> Iterator[None]:
+    """Around a call: outputs restored from a graph write into the caller's state objects."""
+    found = tuple(states(call)) if "transformers.cache_utils" in sys.modules else ()
+    token = _ORIGINALS.set(found or None)
+    try:
+        yield
+    finally:
+        _ORIGINALS.reset(token)
+
+
 def _register_node_type(cls: type) -> bool:
     """Register ``cls`` as a node in our namespace if it is a container we support."""
     if cls in _registered:
         return False
     flatten: Callable[[Any], Any]
     unflatten: Callable[[Any, Any], Any]
+    if is_state_type(cls):
+        register_state: Any = optree.register_pytree_node
+        register_state(
+            cls,
+            _flatten_state,
+            _unflatten_state(cls),
+            path_entry_type=optree.GetAttrEntry,
+            namespace=NAMESPACE,
+        )
+        _registered.add(cls)
+        return True
     if issubclass(cls, collections.abc.Mapping):
         flatten, unflatten = _flatten_mapping, _unflatten_mapping(cls)
     elif dataclasses.is_dataclass(cls):
@@ -158,9 +297,16 @@ def check_leaves(
     for i, leaf in enumerate(leaves):
         if not _is_plain_leaf(leaf):
             path = leaf_paths(spec, root=root)[i]
-            raise OrtfxIOError(
-                UNSUPPORTED_LEAF.format(where=where, path=path, type_name=type(leaf).__qualname__)
-            )
+            type_name = type(leaf).__qualname__
+            inside = [t for _, t in containers(spec, root=root)[i] if "Cache" in t]
+            if "Cache" in type_name or inside:
+                what = (
+                    f"has type {type_name}, inside the cache object {inside[0]}"
+                    if inside
+                    else f"is a cache object of type {type_name} that ortfx does not know"
+                )
+                raise OrtfxIOError(UNSUPPORTED_CACHE.format(where=where, path=path, what=what))
+            raise OrtfxIOError(UNSUPPORTED_LEAF.format(where=where, path=path, type_name=type_name))
         if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
             path = leaf_paths(spec, root=root)[i]
             raise OrtfxIOError(

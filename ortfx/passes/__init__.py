@@ -205,15 +205,45 @@ def add_dropout_masks(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def _has_symbolic_dim(value: onnx.ValueInfoProto) -> bool:
+    dims = value.type.tensor_type.shape.dim
+    return any(d.HasField("dim_param") for d in dims)
+
+
+def _expand_constant(model: onnx.ModelProto, name: str, dynamic: str) -> None:
+    """Rename the constant ``name`` and produce ``name`` from it with ``Expand`` by the empty
+    shape ``Shape(dynamic)[0:0]``."""
+    const = f"ortfx_{name}_constant"
+    for node in model.graph.node:
+        node.input[:] = [const if i == name else i for i in node.input]
+        node.output[:] = [const if o == name else o for o in node.output]
+    model.graph.node.extend(
+        [
+            onnx.helper.make_node("Shape", [dynamic], [f"{const}_shape"], start=0, end=0),
+            onnx.helper.make_node("Expand", [const, f"{const}_shape"], [name], name=const),
+        ]
+    )
+
+
 @graph_pass
 def separate_outputs(model: onnx.ModelProto) -> bool:
     """Give each graph output its own value: a returned input or a tensor returned twice gets
-    an Identity, so ORT yields (and takes gradients for) every output position separately."""
+    an Identity, so ORT yields (and takes gradients for) every output position separately. A
+    constant output (ORT folds it into an initializer, which leaves its gradient builder and
+    the session without a producer for it) is computed by a node ORT cannot fold."""
     inputs = {i.name for i in model.graph.input}
+    constants = {o for n in model.graph.node if _standard(n, "Constant") for o in n.output}
+    dynamic = next((i.name for i in model.graph.input if _has_symbolic_dim(i)), None)
     seen: set[str] = set()
     changed = False
     for k, output in enumerate(model.graph.output):
-        if output.name in inputs or output.name in seen:
+        if output.name in constants and dynamic is not None and output.name not in seen:
+            # An Identity would be folded back into an initializer: the output becomes the
+            # constant expanded by an empty shape taken from an input with symbolic dims, which
+            # ORT cannot fold. The output keeps its name (the runner fetches outputs by name).
+            _expand_constant(model, output.name, dynamic)
+            changed = True
+        elif output.name in inputs or output.name in seen:
             fresh = f"{output.name}_output_{k}"
             model.graph.node.append(
                 onnx.helper.make_node("Identity", [output.name], [fresh], name=f"ortfx_{fresh}")

@@ -234,6 +234,10 @@ def compute_optimizer_failed(log: WrapperLog, failure: str) -> None:
     log.log(logging.WARNING, errors.COMPUTE_OPTIMIZER_FAILED, failure)
 
 
+def ops_in_torch(log: WrapperLog, ops: tuple[str, ...]) -> None:
+    log.log(logging.INFO, errors.OPS_IN_TORCH, ", ".join(ops))
+
+
 def checkpoint_calls(log: WrapperLog, calls: int, level: int) -> None:
     if level:
         log.log(logging.INFO, errors.CHECKPOINT_RECOMPUTED, calls, level)

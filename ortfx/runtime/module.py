@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import torch
 
+from ortfx import io
 from ortfx.errors import (
     ALREADY_WRAPPED,
     BAD_DEBUG_OPTIONS,
@@ -152,7 +153,9 @@ class ORTModule(torch.nn.Module):
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         try:
-            result, shell = engine.call(self._ortfx, self.module, args, kwargs)
+            # Caches in the call are changed in place, as in PyTorch (see ortfx.io.originals).
+            with io.originals(io.call_tree(args, kwargs)):
+                result, shell = engine.call(self._ortfx, self.module, args, kwargs)
         except engine.CallFailed as e:
             failed = e
         if failed is not None:
@@ -350,8 +353,24 @@ def _user_methods(cls: type) -> list[tuple[str, Callable[..., Any]]]:
             continue
         for name, value in vars(klass).items():
             if inspect.isfunction(value) and name not in reserved and not name.startswith("__"):
-                found[name] = value
+                found[name] = _on_module(name) if _uses_super(value) else value
     return sorted(found.items())
+
+
+def _uses_super(function: Callable[..., Any]) -> bool:
+    """Zero-argument ``super()`` needs ``self`` to be an instance of the defining class."""
+    return "__class__" in function.__code__.co_freevars
+
+
+def _on_module(name: str) -> Callable[..., Any]:
+    """A method that runs the user's ``name`` on the wrapped module (for methods that call
+    ``super()``, e.g. transformers' ``prepare_inputs_for_generation`` overrides)."""
+
+    def method(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 # ---- the public functions -----------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""TorchScript-exporter symbolics for torch ops that the exporter cannot express on its own.
+
+Registered once, before the first TorchScript export, through ``torch.onnx``'s public custom
+symbolic registry:
+
+- ``aten::diff`` (transformers calls it to find packed sequences when ``position_ids`` come
+  without an ``attention_mask``, e.g. in ``generate(use_cache=False)``): ``Sub`` of two slices,
+  ``Xor`` for bool, after concatenating ``prepend``/``append``;
+- ``aten::scaled_dot_product_attention`` with ``enable_gqa=True`` (transformers uses it for
+  grouped-query attention without a mask: Llama, Mistral, Qwen2 with fewer key/value heads):
+  key and value heads are repeated to the query's head count, then the exporter's own symbolic
+  runs with ``enable_gqa=False``, which is what the flag means;
+- ``aten::cumsum`` of a bool tensor (transformers' packed-sequence check), which torch sums as
+  int64 and the exporter would hand to ``CumSum`` as bool, a type ONNX does not allow.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.onnx.symbolic_helper as helper
+import torch.onnx.symbolic_opset11 as opset11
+import torch.onnx.symbolic_opset14 as opset14
+
+from ortfx import aten
+
+_INT64_MAX = 2**63 - 1
+_registered: list[bool] = []
+_lock = threading.Lock()
+
+
+def _const(g: Any, values: list[int]) -> Any:
+    return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+
+def _slice(g: Any, x: Any, start: int, end: int, axis: int) -> Any:
+    return g.op("Slice", x, _const(g, [start]), _const(g, [end]), _const(g, [axis]))
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or bool(value.node().mustBeNone())
+
+
+@helper.parse_args("v", "i", "i", "v", "v")
+def diff(g: Any, x: Any, n: int, dim: int, prepend: Any, append: Any) -> Any:
+    """``torch.diff(x, n, dim, prepend, append)``."""
+    parts = [p for p in (prepend, x, append) if not _is_none(p)]
+    if len(parts) > 1:
+        x = g.op("Concat", *parts, axis_i=dim)
+    boolean = x.type().scalarType() == "Bool"
+    for _ in range(n):
+        later, earlier = _slice(g, x, 1, _INT64_MAX, dim), _slice(g, x, 0, -1, dim)
+        x = g.op("Xor" if boolean else "Sub", later, earlier)
+    return x
+
+
+def _repeat_heads(g: Any, kv: Any, query: Any) -> Any:
+    """``kv`` of shape [B, Hkv, S, D] with each head repeated to [B, Hq, S, D]
+    (``repeat_interleave`` on dim 1, as grouped-query attention means)."""
+    kv_shape, q_shape = g.op("Shape", kv), g.op("Shape", query)
+    batch = _slice(g, kv_shape, 0, 1, 0)
+    kv_heads, q_heads = _slice(g, kv_shape, 1, 2, 0), _slice(g, q_shape, 1, 2, 0)
+    rest = _slice(g, kv_shape, 2, _INT64_MAX, 0)
+    groups = g.op("Div", q_heads, kv_heads)
+    spread = g.op("Unsqueeze", kv, _const(g, [2]))
+    spread = g.op("Expand", spread, g.op("Concat", batch, kv_heads, groups, rest, axis_i=0))
+    return g.op("Reshape", spread, g.op("Concat", batch, q_heads, rest, axis_i=0))
+
+
+@helper.parse_args("v", "v", "v", "v", "f", "b", "v", "b")
+def scaled_dot_product_attention(
+    g: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """The exporter's own symbolic, after repeating key/value heads when ``enable_gqa``."""
+    if enable_gqa:
+        key, value = _repeat_heads(g, key, query), _repeat_heads(g, value, query)
+    return opset14.scaled_dot_product_attention(
+        g, query, key, value, attn_mask, dropout_p, is_causal, scale, False
+    )
+
+
+@helper.parse_args("v", "i", "v")
+def cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
+    """``torch.cumsum(x, dim, dtype)``; a bool ``x`` is summed as int64, as torch does."""
+    if _is_none(dtype) and x.type().scalarType() == "Bool":
+        x = g.op("Cast", x, to_i=7)  # TensorProto.INT64
+    return opset11.cumsum(g, x, dim, dtype)
+
+
+def register() -> None:
+    """Register the symbolics above (once per process)."""
+    with _lock:
+        if _registered:
+            return
+        register_op: Any = torch.onnx.register_custom_op_symbolic  # type: ignore[attr-defined]
+        register_op("aten::diff", diff, 9)
+        register_op("aten::cumsum", cumsum, 11)
+        if aten.install():  # ops run by torch inside the graph need the bridge's executor
+            for name, (symbolic, opset) in aten.SYMBOLICS.items():
+                register_op(name, symbolic, opset)
+        register_op("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14)
+        _registered.append(True)

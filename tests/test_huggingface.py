@@ -1,0 +1,333 @@
+"""Hugging Face decoder LMs through ortfx: default config, default call, against the plain model.
+
+Tiny configs built in memory (no downloads). Every test runs with fallback disabled and counts
+that the forward ran in ONNX Runtime (``fallback_calls == 0``) and how many exports it took.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ortfx
+
+transformers = pytest.importorskip("transformers")
+cache_utils = pytest.importorskip("transformers.cache_utils")
+
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+VOCAB = 100
+
+
+def _gpt2() -> torch.nn.Module:
+    # dropout 0: ORT's dropout masks differ from torch's, so train-mode parity needs it off
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _decoder(config_class: Any, model_class: Any) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        # one key/value head for two query heads: grouped-query attention, as in the real ones
+        config = config_class(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
+        )  # fmt: skip
+        return model_class(config)
+
+    return build
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "gpt2": _gpt2,
+    "llama": _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    # Mistral's default config has a sliding window: its cache layers are sliding-window layers
+    "mistral": _decoder(transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": _decoder(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def _pair(name: str) -> tuple[torch.nn.Module, ortfx.ORTModule]:
+    torch.manual_seed(0)
+    plain = MODELS[name]()
+    return plain, ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+
+
+def _ids(batch: int = 2, length: int = 8) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_decoder_trains_in_ort_with_its_default_cache(name: str) -> None:
+    """Default config (use_cache=True in train mode too) and default call: loss and every
+    gradient match the plain model, the forward ran in ORT, and the returned cache is a cache."""
+    plain, wrapped = _pair(name)
+    ids = _ids()
+    expected = plain(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = wrapped(input_ids=ids, labels=ids)
+    got.loss.backward()
+    assert isinstance(got.past_key_values, cache_utils.DynamicCache)
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    for a, b in zip(got.past_key_values.layers, expected.past_key_values.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
+        assert a.get_seq_length() == b.get_seq_length()
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports, stats.fallback_calls) == (1, 0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_cache_as_input_runs_in_ort_and_is_changed_in_place(name: str) -> None:
+    """Eval logits match, and a call given a cache runs in ORT and leaves the caller's cache
+    object changed in place and returned, as PyTorch does."""
+    plain, wrapped = _pair(name)
+    plain.eval()
+    wrapped.eval()
+    ids = _ids()
+    with torch.no_grad():
+        expected = plain(ids)
+        got = wrapped(ids)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-5)
+        cache = got.past_key_values
+        step = wrapped(ids[:, -1:], past_key_values=cache)
+        plain_step = plain(ids[:, -1:], past_key_values=expected.past_key_values)
+    assert step.past_key_values is cache
+    assert cache.get_seq_length() == plain_step.past_key_values.get_seq_length() == 9
+    torch.testing.assert_close(step.logits, plain_step.logits, rtol=0, atol=1e-5)
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (2, 2, 0)
+
+
+# Without a sliding window, decoding needs one graph for the prefill and one for every decode
+# step; with a cache the no-cache run adds one more (the same one serves greedy and beam).
+BOUNDED = {"gpt2": 3, "llama": 3, "qwen2": 3}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_generate_gives_the_plain_models_tokens(name: str) -> None:
+    """Greedy and beam search, with and without the cache: the same tokens as the plain model,
+    every forward in ORT, and a bounded number of exports (not one per token)."""
+    plain, wrapped = _pair(name)
+    plain.eval()
+    wrapped.eval()
+    ids = _ids(2, 5)
+    new = 6
+    for kwargs in (
+        {},
+        {"num_beams": 2},
+        {"use_cache": False},
+        {"num_beams": 2, "use_cache": False},
+    ):
+        expected = plain.generate(
+            ids, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs
+        )
+        got = wrapped.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+        assert torch.equal(got, expected), kwargs
+    stats = ortfx.stats(wrapped)
+    assert stats.fallback_calls == 0
+    assert stats.calls == 4 * new
+    if name in BOUNDED:
+        assert stats.exports == BOUNDED[name]
+    else:
+        # Sliding-window cache layers keep their length as a Python int that transformers
+        # branches on: every new length is a new graph (prefill and one per decode length,
+        # shared by greedy and beam) plus the no-cache graph.
+        assert stats.exports == new + 1
+
+
+def test_the_trainer_trains_in_ort_saves_and_resumes(tmp_path: Path) -> None:
+    """transformers.Trainer with the wrapper as its ``model_wrapped``: the steps run in ORT,
+    the loss and weights match a plain Trainer run, and a run resumed from the step-2
+    checkpoint ends on the same weights."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    plain = _gpt2()
+    model = copy.deepcopy(plain)
+    rows = [{"input_ids": _ids(1, 8)[0].roll(i)} for i in range(16)]
+    data = [dict(r, labels=r["input_ids"]) for r in rows]
+
+    def trainer(module: torch.nn.Module, out: Path, wrapped: torch.nn.Module | None) -> Any:
+        args = transformers.TrainingArguments(
+            str(out), per_device_train_batch_size=4, max_steps=4, save_steps=2,
+            report_to=[], use_cpu=True, learning_rate=1e-3, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        t = transformers.Trainer(model=module, args=args, train_dataset=data)
+        if wrapped is not None:
+            t.model_wrapped = wrapped  # the outermost model, as DDP or DeepSpeed would be
+        return t
+
+    wrapper = ortfx.ORTModule(model, options=STRICT)
+    got = trainer(model, tmp_path / "ort", wrapper).train()
+    expected = trainer(plain, tmp_path / "plain", None).train()
+    assert got.training_loss == pytest.approx(expected.training_loss, abs=1e-5)
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4)  # Adam amplifies 1e-7 differences
+    stats = ortfx.stats(wrapper)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (4, 1, 0)
+
+    again = copy.deepcopy(plain)
+    torch.nn.init.zeros_(again.lm_head.weight)  # the checkpoint must bring the weights back
+    rewrapped = ortfx.ORTModule(again, options=STRICT)
+    trainer(again, tmp_path / "ort", rewrapped).train(
+        resume_from_checkpoint=str(tmp_path / "ort" / "checkpoint-2")
+    )
+    for p, q in zip(plain.parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4)
+    assert ortfx.stats(rewrapped).calls == 2
+    assert ortfx.stats(rewrapped).fallback_calls == 0
+
+
+def test_gradient_checkpointing_trains_in_ort_with_layer_wise_recompute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``gradient_checkpointing_enable()`` (torch.utils.checkpoint per layer) is traced as
+    plain code and becomes ORT's layer-wise recompute: the same loss and gradients, in ORT."""
+    torch.manual_seed(0)
+    plain = MODELS["llama"]()
+    options = ortfx.Options(
+        fallback_policy=ortfx.FallbackPolicy.DISABLE,
+        memory_opt_level=1,
+        log_level=ortfx.LogLevel.INFO,
+    )
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=options)
+    plain.gradient_checkpointing_enable()
+    wrapped.gradient_checkpointing_enable()
+    ids = _ids()
+    expected = plain(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = wrapped(input_ids=ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+    for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    assert ortfx.stats(wrapped).fallback_calls == 0
+    assert "calls torch.utils.checkpoint 2 time(s)" in caplog.text
+    assert "memory_opt_level 1 recomputes layer-wise" in caplog.text
+
+
+class UnknownCache:
+    """A cache class ortfx does not know (not a transformers Cache)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class ReturnsUnknownCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        y = self.linear(x)
+        return {"out": y, "past_key_values": UnknownCache(y)}
+
+
+def test_an_unknown_cache_type_names_the_object_its_path_and_the_fix() -> None:
+    wrapped = ortfx.ORTModule(ReturnsUnknownCache(), options=STRICT)
+    with pytest.raises(ortfx.OrtfxIOError) as info:
+        wrapped(torch.randn(2, 4))
+    message = str(info.value)
+    assert "output['past_key_values']" in message
+    assert "UnknownCache" in message
+    assert "use_cache=False" in message
+
+
+def _t5() -> torch.nn.Module:
+    config = transformers.T5Config(
+        num_layers=2, d_model=32, d_ff=64, d_kv=16, num_heads=2, vocab_size=VOCAB,
+        dropout_rate=0.0, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _bart() -> torch.nn.Module:
+    config = transformers.BartConfig(
+        encoder_layers=2, decoder_layers=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        eos_token_id=VOCAB + 1,  # out of range: generation runs its full length
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("build", [_t5, _bart], ids=["t5", "bart"])
+def test_an_encoder_decoder_trains_and_generates_with_its_cache(
+    build: Callable[[], torch.nn.Module],
+) -> None:
+    """Loss and gradients in train mode, then greedy and beam tokens with and without the
+    cache (an EncoderDecoderCache in and out), all in ORT."""
+    torch.manual_seed(0)
+    plain = build()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+    ids = _ids()
+    expected = plain(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = wrapped(input_ids=ids, labels=ids)
+    got.loss.backward()
+    # T5 returns an EncoderDecoderCache; BART turns the cache off itself when given labels
+    assert type(got.past_key_values) is type(expected.past_key_values)
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+    for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    plain.eval()
+    wrapped.eval()
+    for kwargs in ({}, {"num_beams": 2}, {"use_cache": False}):
+        a = plain.generate(ids[:, :5], max_new_tokens=4, do_sample=False, **kwargs)
+        b = wrapped.generate(ids[:, :5], max_new_tokens=4, do_sample=False, **kwargs)
+        assert torch.equal(a, b), kwargs
+    stats = ortfx.stats(wrapped)
+    # train, then per mode of generate its decoder calls (the encoder runs once per generate
+    # through model.get_encoder(), in PyTorch: transformers calls it directly)
+    assert stats.fallback_calls == 0
+    assert stats.calls == 1 + 3 * 4
+    assert stats.exports <= 4
+
+
+class Base(torch.nn.Module):
+    def describe(self) -> str:
+        return "base"
+
+
+class UsesSuper(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+    def describe(self) -> str:
+        return "child of " + super().describe()
+
+
+def test_a_user_method_calling_super_works_on_the_wrapper() -> None:
+    """Methods that call zero-argument ``super()`` (Phi-3's ``prepare_inputs_for_generation``)
+    run on the wrapped module, found on the wrapper's class and instance alike."""
+    wrapped = ortfx.ORTModule(UsesSuper())
+    assert wrapped.describe() == "child of base"
+    assert type(wrapped).describe(wrapped) == "child of base"
+
+
+class HoldsAStream(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        cache = cache_utils.DynamicCache()
+        cache.extra = object()  # something no graph can carry
+        return {"out": x * 2, "past_key_values": cache}
+
+
+def test_a_cache_holding_an_unknown_object_names_the_attribute_path() -> None:
+    with pytest.raises(ortfx.OrtfxIOError) as info:
+        ortfx.ORTModule(HoldsAStream(), options=STRICT)(torch.randn(2))
+    message = str(info.value)
+    assert "output['past_key_values'].extra has type object, inside the cache object" in message
+    assert "DynamicCache" in message
+    assert "use_cache=False" in message
