@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 import torch
 
-from ortfx import io, symbolics
+from ortfx import io
 from ortfx.errors import OrtfxExportError, OrtfxIOError
 from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
@@ -620,6 +620,8 @@ def _export_torchscript(
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", tracer_warning)
         _register_pythonop_symbolic()
+        from ortfx import symbolics  # the TorchScript exporter's registry: imported here
+
         symbolics.register()  # aten::diff, grouped-query attention
         torch.onnx.export(
             flat,

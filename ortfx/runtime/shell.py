@@ -25,7 +25,7 @@ import onnx
 import optree
 import torch
 
-from ortfx import aten, io, memory, passes
+from ortfx import io, memory, passes
 from ortfx.errors import (
     INPUT_CHANGED_IN_PLACE,
     INPUT_ON_OTHER_DEVICE,
@@ -521,6 +521,9 @@ def _export(
         exported = export(source, leaves, call.key.schema, call.key.options)
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
+    # Imported here: ortfx.aten builds on the TorchScript exporter, which may be missing.
+    from ortfx import aten
+
     routed = aten.routed_ops(exported.info.model)  # ops run by torch inside the graph
     if routed:
         logs.ops_in_torch(log, routed)
