@@ -1,7 +1,8 @@
 """Torch ops neither exporter can express, run by torch inside the ORT graph (ORT's ATen node).
 
 The TorchScript exporter writes a routed op as an ``org.pytorch.aten::ATen`` node (attributes
-``operator`` and ``overload_name``; every argument an input, scalars as constants). ORT runs such
+``operator`` and ``overload_name``; every argument an input, scalars as constants; the symbolics
+are in :mod:`ortfx.symbolics`). ORT runs such
 a node through the executor registered once per process (``register_aten_op_executor``): two
 plain-C functions in ``ortfx._bridge`` that call :func:`is_tensor_argument` and :func:`execute`
 here. Each routed op's argument kinds are listed in :data:`ROUTED`, so no torch schema lookup is
@@ -19,7 +20,6 @@ from typing import Any, Final
 import attrs
 import onnx
 import torch
-import torch.onnx.symbolic_helper as helper
 import torch.utils.dlpack
 
 DOMAIN: Final = "org.pytorch.aten"
@@ -186,9 +186,6 @@ def _gradient_nodes(
     return defined
 
 
-# ---- export: the symbolics that write ATen nodes -------------------------------------------------
-
-
 def routed_ops(model: bytes, /) -> tuple[str, ...]:
     """The ops an exported graph runs in torch (its ATen nodes), sorted, for the log."""
     graph = onnx.load_model_from_string(model).graph
@@ -203,84 +200,3 @@ def routed_ops(model: bytes, /) -> tuple[str, ...]:
             }
         )
     )
-
-
-def _aten_node(g: Any, op: str, inputs: Sequence[Any], like: Any, rank: int) -> Any:
-    node = g.op(f"{DOMAIN}::ATen", *inputs, operator_s=op, overload_name_s="")
-    node.setType(like.type().with_sizes([None] * rank))  # like's dtype; sizes unknown
-    # ORT cannot infer an ATen node's output type; an intermediate value keeps the type the
-    # exporter records for it, a graph output would lose it in the gradient graph.
-    out = g.op("Identity", node)
-    out.setType(node.type())
-    return out
-
-
-def _constant(g: Any, value: Any, dtype: torch.dtype) -> Any:
-    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
-
-
-@helper.parse_args("v", "i", "f", "f")
-def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
-    """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
-    args = [
-        x,
-        _constant(g, bins, torch.int64),
-        _constant(g, low, torch.float32),
-        _constant(g, high, torch.float32),
-    ]
-    return _aten_node(g, "histc", args, x, 1)
-
-
-GROUPED_MM_ARGUMENTS = (
-    "torch._grouped_mm with bias or out_dtype cannot run inside the ONNX Runtime graph yet; "
-    "ortfx routes _grouped_mm(input, weight, offs) only. Call it without them, or let ortfx "
-    "fall back to PyTorch."
-)
-
-
-def grouped_mm(
-    g: Any, x: Any, weight: Any, offs: Any, bias: Any = None, out_dtype: Any = None
-) -> Any:
-    """``torch._grouped_mm(x [S, K], weight [E, K, N], offs [E])`` -> [S, N] as an ATen node."""
-    if not all(_is_none(v) for v in (bias, out_dtype)) or _is_none(offs):
-        raise RuntimeError(GROUPED_MM_ARGUMENTS)
-    return _aten_node(g, "_grouped_mm", [x, weight, offs], x, 2)
-
-
-@helper.parse_args("v", "v", "v", "v", "i", "i", "b")
-def ctc_loss(
-    g: Any,
-    log_probs: Any,
-    targets: Any,
-    input_lengths: Any,
-    target_lengths: Any,
-    blank: int,
-    reduction: int,
-    zero_infinity: bool,
-) -> Any:
-    """``aten::ctc_loss`` (lengths as lists or tensors) as an ATen node."""
-    args = [
-        log_probs,
-        targets,
-        _lengths(g, input_lengths),
-        _lengths(g, target_lengths),
-        _constant(g, blank, torch.int64),
-        _constant(g, reduction, torch.int64),
-        _constant(g, zero_infinity, torch.bool),
-    ]
-    return _aten_node(g, "ctc_loss", args, log_probs, 0 if reduction else 1)
-
-
-def _lengths(g: Any, lengths: Any) -> Any:
-    return g.op("Cast", lengths, to_i=7)  # TensorProto.INT64; a list arrives as a tensor
-
-
-def _is_none(value: Any) -> bool:
-    return value is None or bool(value.node().mustBeNone())
-
-
-SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
-    "aten::histc": (histc, 9),
-    "aten::_grouped_mm": (grouped_mm, 9),
-    "aten::ctc_loss": (ctc_loss, 9),
-}

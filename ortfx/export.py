@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 import torch
 
-from ortfx import io, symbolics
+from ortfx import io
 from ortfx.errors import OrtfxExportError, OrtfxIOError
 from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
@@ -619,7 +619,11 @@ def _export_torchscript(
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", tracer_warning)
         _register_pythonop_symbolic()
-        symbolics.register()  # aten::diff, grouped-query attention
+        # Imported here: it imports torch.onnx's TorchScript modules, which a torch without
+        # TorchScript lacks (ortfx still imports there and exports with dynamo).
+        from ortfx import symbolics
+
+        symbolics.register()  # aten::diff, grouped-query attention, ops run by torch (ATen)
         torch.onnx.export(
             flat,
             tensors,
