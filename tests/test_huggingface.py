@@ -365,3 +365,30 @@ def test_a_cache_holding_an_unknown_object_names_the_attribute_path() -> None:
     assert "output['past_key_values'].extra has type object, inside the cache object" in message
     assert "DynamicCache" in message
     assert "use_cache=False" in message
+
+
+def test_a_static_cache_is_updated_in_place_through_the_graph() -> None:
+    """A StaticCache passed in is written in place (its tensors are graph inputs the graph
+    updates) like in PyTorch, and generate(cache_implementation="static") gives the same
+    tokens with two exports."""
+    plain, wrapped = _pair("llama")
+    plain.eval()
+    wrapped.eval()
+    ids = _ids(2, 5)
+    config = plain.config
+    expected_cache = transformers.StaticCache(config=config, max_cache_len=16)
+    cache = transformers.StaticCache(config=config, max_cache_len=16)
+    with torch.no_grad():
+        expected = plain(ids, past_key_values=expected_cache)
+        got = wrapped(ids, past_key_values=cache)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-5)
+    assert got.past_key_values is cache
+    for a, b in zip(cache.layers, expected_cache.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 5
+    before = ortfx.stats(wrapped).exports
+    static = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    static["cache_implementation"] = "static"
+    assert torch.equal(wrapped.generate(ids, **static), plain.generate(ids, **static))
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports - before, stats.fallback_calls) == (2, 0)
