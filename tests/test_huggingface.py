@@ -219,6 +219,34 @@ def test_the_trainer_trains_in_ort_saves_and_resumes(tmp_path: Path) -> None:
     assert ortfx.stats(rewrapped).fallback_calls == 0
 
 
+def test_the_trainer_takes_the_wrapper_itself(tmp_path: Path) -> None:
+    """``Trainer(model=ORTModule(model))`` (untied weights: Llama): the steps run in ORT, it
+    saves the state dict and a run resumed from the step-1 checkpoint ends on the same weights
+    as the uninterrupted one."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    plain = MODELS["llama"]()
+    data = [{"input_ids": _ids(1, 8)[0].roll(i), "labels": _ids(1, 8)[0].roll(i)} for i in range(8)]
+
+    def run(model: torch.nn.Module, resume: str | None = None) -> ortfx.ORTModule:
+        wrapped = ortfx.ORTModule(model, options=STRICT)
+        args = transformers.TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=4, max_steps=2, save_steps=1,
+            report_to=[], use_cpu=True, learning_rate=1e-3, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        transformers.Trainer(model=wrapped, args=args, train_dataset=data).train(
+            resume_from_checkpoint=resume
+        )
+        return wrapped
+
+    first = run(copy.deepcopy(plain))
+    assert (ortfx.stats(first).calls, ortfx.stats(first).fallback_calls) == (2, 0)
+    resumed = run(copy.deepcopy(plain), resume=str(tmp_path / "checkpoint-1"))
+    assert ortfx.stats(resumed).calls == 1
+    for p, q in zip(first.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+
+
 def test_gradient_checkpointing_trains_in_ort_with_layer_wise_recompute(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
