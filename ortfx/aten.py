@@ -1,7 +1,8 @@
 """Torch ops neither exporter can express, run by torch inside the ORT graph (ORT's ATen node).
 
 The TorchScript exporter writes a routed op as an ``org.pytorch.aten::ATen`` node (attributes
-``operator`` and ``overload_name``; every argument an input, scalars as constants). ORT runs such
+``operator`` and ``overload_name``; every argument an input, scalars as constants; the symbolics
+are in :mod:`ortfx.symbolics`). ORT runs such
 a node through the executor registered once per process (``register_aten_op_executor``): two
 plain-C functions in ``ortfx._bridge`` that call :func:`is_tensor_argument` and :func:`execute`
 here. Each routed op's argument kinds are listed in :data:`ROUTED`, so no torch schema lookup is
@@ -11,6 +12,7 @@ counts; its input never requires grad in the models that use it).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -18,7 +20,6 @@ from typing import Any, Final
 import attrs
 import onnx
 import torch
-import torch.onnx.symbolic_helper as helper
 import torch.utils.dlpack
 
 DOMAIN: Final = "org.pytorch.aten"
@@ -33,10 +34,82 @@ class Routed:
     outputs: int = 1
 
 
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # torch.nn.functional.grouped_mm is the public spelling of aten::_grouped_mm (torch >= 2.10)
+    result: torch.Tensor = torch.nn.functional.grouped_mm(x, weight, offs=offs)
+    return result
+
+
+def _grouped_mm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``_grouped_mm(x, weight, offs)`` for ``x`` and ``weight``, by torch."""
+    with torch.enable_grad():
+        x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = _grouped_mm(x, weight, offs)
+        grad_x, grad_weight = torch.autograd.grad(out, (x, weight), grad)
+    return grad_x, grad_weight
+
+
+def _ctc_loss(
+    log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    input_lengths: torch.Tensor,
+    target_lengths: torch.Tensor,
+    blank: int,
+    reduction: int,
+    zero_infinity: bool,
+) -> torch.Tensor:
+    loss: torch.Tensor = torch.ops.aten.ctc_loss.Tensor(
+        log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity
+    )
+    return loss
+
+
+def _ctc_loss_backward(grad: torch.Tensor, log_probs: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """The gradient of :func:`_ctc_loss` for ``log_probs``, by torch."""
+    with torch.enable_grad():
+        log_probs = log_probs.detach().requires_grad_()
+        (grad_log_probs,) = torch.autograd.grad(_ctc_loss(log_probs, *rest), (log_probs,), grad)
+    return grad_log_probs
+
+
+_CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
+
 # (operator, overload name) -> how to run it
 ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # transformers' grouped-mm MoE experts count tokens per expert with it (Mixtral, Qwen2-MoE)
     ("histc", ""): Routed(torch.histc, ("tensor", "int", "float", "float")),
+    # ... and multiply each expert's tokens by its weights with it
+    ("_grouped_mm", ""): Routed(_grouped_mm, ("tensor", "tensor", "tensor")),
+    ("_grouped_mm_backward", ""): Routed(_grouped_mm_backward, ("tensor",) * 4, outputs=2),
+    # CTC loss (wav2vec2 and other CTC heads)
+    ("ctc_loss", ""): Routed(_ctc_loss, _CTC),
+    ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
+}
+
+# The gradient of each differentiable routed op, as ORT's gradient registry takes it: nodes of
+# (op type, domain, inputs, outputs, attributes); GO(i)/I(i)/GI(i) name the forward node's
+# output gradients, inputs and input gradients.
+GRADIENTS: Final[dict[str, list[tuple[str, str, list[str], list[str], dict[str, str]]]]] = {
+    "_grouped_mm": [
+        (
+            "ATen",
+            "org.pytorch.aten",
+            ["GO(0)", "I(0)", "I(1)", "I(2)"],
+            ["GI(0)", "GI(1)"],
+            {"operator": "_grouped_mm_backward"},
+        )
+    ],
+    "ctc_loss": [
+        (
+            "ATen",
+            "org.pytorch.aten",
+            ["GO(0)", *(f"I({i})" for i in range(7))],
+            ["GI(0)"],
+            {"operator": "ctc_loss_backward"},
+        )
+    ],
 }
 
 _SCALARS: Final[dict[str, Callable[[Any], Any]]] = {"int": int, "float": float, "bool": bool}
@@ -85,11 +158,32 @@ def install() -> bool:
         _bridge.set_aten_executor(is_tensor_argument, execute)
         is_tensor, run = _bridge.aten_addresses()
         C.register_aten_op_executor(str(is_tensor), str(run))
+        for op, nodes in GRADIENTS.items():
+            C.register_gradient_definition(f"{DOMAIN}::ATen::{op}::", _gradient_nodes(C, nodes))
         _installed.append(True)
         return True
 
 
-# ---- export: the symbolics that write ATen nodes -------------------------------------------------
+def _gradient_nodes(
+    C: Any, nodes: list[tuple[str, str, list[str], list[str], dict[str, str]]]
+) -> Any:
+    defined = []
+    for op_type, domain, inputs, outputs, attributes in nodes:
+        node = C.GradientNodeDefinition()
+        node.op_type, node.domain, node.inputs, node.outputs = op_type, domain, inputs, outputs
+        node_attributes = []
+        for name, value in attributes.items():
+            attribute = C.GradientNodeAttributeDefinition()
+            attribute.name, attribute.value_json, attribute.dtype = (
+                name,
+                json.dumps(value),
+                "string",
+            )
+            attribute.is_tensor = False
+            node_attributes.append(attribute)
+        node.attributes = node_attributes
+        defined.append(node)
+    return defined
 
 
 def routed_ops(model: bytes, /) -> tuple[str, ...]:
@@ -106,28 +200,3 @@ def routed_ops(model: bytes, /) -> tuple[str, ...]:
             }
         )
     )
-
-
-def _aten_node(g: Any, op: str, inputs: Sequence[Any], like: Any) -> Any:
-    node = g.op(f"{DOMAIN}::ATen", *inputs, operator_s=op, overload_name_s="")
-    node.setType(like.type())
-    return node
-
-
-def _constant(g: Any, value: Any, dtype: torch.dtype) -> Any:
-    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
-
-
-@helper.parse_args("v", "i", "f", "f")
-def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
-    """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
-    args = [
-        x,
-        _constant(g, bins, torch.int64),
-        _constant(g, low, torch.float32),
-        _constant(g, high, torch.float32),
-    ]
-    return _aten_node(g, "histc", args, x)
-
-
-SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {"aten::histc": (histc, 9)}

@@ -620,9 +620,11 @@ def _export_torchscript(
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", tracer_warning)
         _register_pythonop_symbolic()
-        from ortfx import symbolics  # the TorchScript exporter's registry: imported here
+        # Imported here: it imports torch.onnx's TorchScript modules, which a torch without
+        # TorchScript lacks (ortfx still imports there and exports with dynamo).
+        from ortfx import symbolics
 
-        symbolics.register()  # aten::diff, grouped-query attention
+        symbolics.register()  # aten::diff, grouped-query attention, ops run by torch (ATen)
         torch.onnx.export(
             flat,
             tensors,

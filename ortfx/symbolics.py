@@ -11,13 +11,18 @@ symbolic registry:
   key and value heads are repeated to the query's head count, then the exporter's own symbolic
   runs with ``enable_gqa=False``, which is what the flag means;
 - ``aten::cumsum`` of a bool tensor (transformers' packed-sequence check), which torch sums as
-  int64 and the exporter would hand to ``CumSum`` as bool, a type ONNX does not allow.
+  int64 and the exporter would hand to ``CumSum`` as bool, a type ONNX does not allow;
+- the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
+  ``ctc_loss``), written as ATen nodes, if the bridge's executor could be installed.
+
+Imported only by the TorchScript export path (it imports torch.onnx's TorchScript modules).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 import torch
 import torch.onnx.symbolic_helper as helper
@@ -97,6 +102,86 @@ def cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
     return opset11.cumsum(g, x, dim, dtype)
 
 
+# ---- ops run by torch inside the graph (ortfx.aten): symbolics that write ATen nodes ---------
+
+
+def _aten_node(g: Any, op: str, inputs: Sequence[Any], like: Any, rank: int) -> Any:
+    node = g.op(f"{aten.DOMAIN}::ATen", *inputs, operator_s=op, overload_name_s="")
+    node.setType(like.type().with_sizes([None] * rank))  # like's dtype; sizes unknown
+    # ORT cannot infer an ATen node's output type; an intermediate value keeps the type the
+    # exporter records for it, a graph output would lose it in the gradient graph.
+    out = g.op("Identity", node)
+    out.setType(node.type())
+    return out
+
+
+def _constant(g: Any, value: Any, dtype: torch.dtype) -> Any:
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+
+@helper.parse_args("v", "i", "f", "f")
+def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
+    """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
+    args = [
+        x,
+        _constant(g, bins, torch.int64),
+        _constant(g, low, torch.float32),
+        _constant(g, high, torch.float32),
+    ]
+    return _aten_node(g, "histc", args, x, 1)
+
+
+GROUPED_MM_ARGUMENTS = (
+    "torch._grouped_mm with bias or out_dtype cannot run inside the ONNX Runtime graph yet; "
+    "ortfx routes _grouped_mm(input, weight, offs) only. Call it without them, or let ortfx "
+    "fall back to PyTorch."
+)
+
+
+def grouped_mm(
+    g: Any, x: Any, weight: Any, offs: Any, bias: Any = None, out_dtype: Any = None
+) -> Any:
+    """``torch._grouped_mm(x [S, K], weight [E, K, N], offs [E])`` -> [S, N] as an ATen node."""
+    if not all(_is_none(v) for v in (bias, out_dtype)) or _is_none(offs):
+        raise RuntimeError(GROUPED_MM_ARGUMENTS)
+    return _aten_node(g, "_grouped_mm", [x, weight, offs], x, 2)
+
+
+@helper.parse_args("v", "v", "v", "v", "i", "i", "b")
+def ctc_loss(
+    g: Any,
+    log_probs: Any,
+    targets: Any,
+    input_lengths: Any,
+    target_lengths: Any,
+    blank: int,
+    reduction: int,
+    zero_infinity: bool,
+) -> Any:
+    """``aten::ctc_loss`` (lengths as lists or tensors) as an ATen node."""
+    args = [
+        log_probs,
+        targets,
+        _lengths(g, input_lengths),
+        _lengths(g, target_lengths),
+        _constant(g, blank, torch.int64),
+        _constant(g, reduction, torch.int64),
+        _constant(g, zero_infinity, torch.bool),
+    ]
+    return _aten_node(g, "ctc_loss", args, log_probs, 0 if reduction else 1)
+
+
+def _lengths(g: Any, lengths: Any) -> Any:
+    return g.op("Cast", lengths, to_i=7)  # TensorProto.INT64; a list arrives as a tensor
+
+
+ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
+    "aten::histc": (histc, 9),
+    "aten::_grouped_mm": (grouped_mm, 9),
+    "aten::ctc_loss": (ctc_loss, 9),
+}
+
+
 def register() -> None:
     """Register the symbolics above (once per process)."""
     with _lock:
@@ -106,7 +191,7 @@ def register() -> None:
         register_op("aten::diff", diff, 9)
         register_op("aten::cumsum", cumsum, 11)
         if aten.install():  # ops run by torch inside the graph need the bridge's executor
-            for name, (symbolic, opset) in aten.SYMBOLICS.items():
+            for name, (symbolic, opset) in ATEN_SYMBOLICS.items():
                 register_op(name, symbolic, opset)
         register_op("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14)
         _registered.append(True)

@@ -56,3 +56,77 @@ def test_histc_runs_in_torch_inside_the_ort_graph(caplog: pytest.LogCaptureFixtu
     assert "aten::histc cannot be expressed in ONNX; ortfx exported it as ATen node" in caplog.text
     stats = ortfx.stats(wrapped)
     assert (stats.calls, stats.fallback_calls) == (3, 0)
+
+
+class GroupedExperts(torch.nn.Module):
+    """Rows grouped by expert, each group times its expert's weight (aten::_grouped_mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 4, 8))  # CPU kernel: 16-byte strides
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.nn.functional.grouped_mm(x, self.weight, offs=offsets)
+        return out
+
+
+def test_grouped_mm_runs_in_torch_with_its_gradient() -> None:
+    """Outputs and the gradients of the input and the expert weights match eager, for group
+    sizes that change between calls (one graph)."""
+    torch.manual_seed(0)
+    plain = GroupedExperts()
+    wrapped = ortfx.ORTModule(
+        copy.deepcopy(plain), options=ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    )
+    for rows, offsets in ((6, [2, 2, 6]), (7, [0, 5, 7])):
+        x = torch.randn(rows, 4, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        ends = torch.tensor(offsets, dtype=torch.int32)
+        expected, got = plain(x, ends), wrapped(x2, ends)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        grad = torch.randn_like(expected)
+        expected.backward(grad)
+        got.backward(grad)
+        torch.testing.assert_close(x2.grad, x.grad, rtol=0, atol=1e-5)
+        torch.testing.assert_close(wrapped.weight.grad, plain.weight.grad, rtol=0, atol=1e-5)
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (2, 1, 0)
+
+
+class CTCHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 5)
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+        target_lengths: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        log_probs = self.linear(x).log_softmax(-1).transpose(0, 1)  # (T, N, C)
+        return torch.nn.functional.ctc_loss(
+            log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=True
+        )
+
+
+def test_ctc_loss_runs_in_torch_with_its_gradient() -> None:
+    """CTC loss (mean reduction, tensor lengths): loss and gradients match eager for two
+    batches of different lengths (one graph)."""
+    torch.manual_seed(0)
+    plain = CTCHead()
+    wrapped = ortfx.ORTModule(
+        copy.deepcopy(plain), options=ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    )
+    for batch, steps, length in ((2, 10, 3), (3, 12, 4)):
+        x = torch.randn(batch, steps, 6)
+        targets = torch.randint(1, 5, (batch, length))
+        input_lengths = torch.full((batch,), steps, dtype=torch.long)
+        target_lengths = torch.full((batch,), length, dtype=torch.long)
+        call = (x, targets, input_lengths, target_lengths)
+        expected, got = plain(*call), wrapped(*call)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        expected.backward()
+        got.backward()
+        for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-5)
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (2, 1, 0)

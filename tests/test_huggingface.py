@@ -53,6 +53,40 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
+def _mixtral() -> torch.nn.Module:
+    # transformers' default experts: torch._grouped_mm, token counts by torch.histc
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def test_a_mixture_of_experts_trains_and_generates_in_ort() -> None:
+    """Mixtral with grouped-mm experts: histc and _grouped_mm run in torch inside the ORT graph
+    (ATen nodes, the latter with its gradient); loss, gradients and greedy tokens match."""
+    pytest.importorskip("ortfx._bridge")
+    torch.manual_seed(0)
+    plain = _mixtral()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+    ids = _ids()
+    expected = plain(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = wrapped(input_ids=ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    plain.eval()
+    wrapped.eval()
+    a = plain.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    b = wrapped.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (5, 3, 0)
+
+
 def _pair(name: str) -> tuple[torch.nn.Module, ortfx.ORTModule]:
     torch.manual_seed(0)
     plain = MODELS[name]()
@@ -183,6 +217,34 @@ def test_the_trainer_trains_in_ort_saves_and_resumes(tmp_path: Path) -> None:
         torch.testing.assert_close(q, p, rtol=0, atol=1e-4)
     assert ortfx.stats(rewrapped).calls == 2
     assert ortfx.stats(rewrapped).fallback_calls == 0
+
+
+def test_the_trainer_takes_the_wrapper_itself(tmp_path: Path) -> None:
+    """``Trainer(model=ORTModule(model))`` (untied weights: Llama): the steps run in ORT, it
+    saves the state dict and a run resumed from the step-1 checkpoint ends on the same weights
+    as the uninterrupted one."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    plain = MODELS["llama"]()
+    data = [{"input_ids": _ids(1, 8)[0].roll(i), "labels": _ids(1, 8)[0].roll(i)} for i in range(8)]
+
+    def run(model: torch.nn.Module, resume: str | None = None) -> ortfx.ORTModule:
+        wrapped = ortfx.ORTModule(model, options=STRICT)
+        args = transformers.TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=4, max_steps=2, save_steps=1,
+            report_to=[], use_cpu=True, learning_rate=1e-3, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        transformers.Trainer(model=wrapped, args=args, train_dataset=data).train(
+            resume_from_checkpoint=resume
+        )
+        return wrapped
+
+    first = run(copy.deepcopy(plain))
+    assert (ortfx.stats(first).calls, ortfx.stats(first).fallback_calls) == (2, 0)
+    resumed = run(copy.deepcopy(plain), resume=str(tmp_path / "checkpoint-1"))
+    assert ortfx.stats(resumed).calls == 1
+    for p, q in zip(first.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
 
 
 def test_gradient_checkpointing_trains_in_ort_with_layer_wise_recompute(
@@ -331,3 +393,30 @@ def test_a_cache_holding_an_unknown_object_names_the_attribute_path() -> None:
     assert "output['past_key_values'].extra has type object, inside the cache object" in message
     assert "DynamicCache" in message
     assert "use_cache=False" in message
+
+
+def test_a_static_cache_is_updated_in_place_through_the_graph() -> None:
+    """A StaticCache passed in is written in place (its tensors are graph inputs the graph
+    updates) like in PyTorch, and generate(cache_implementation="static") gives the same
+    tokens with two exports."""
+    plain, wrapped = _pair("llama")
+    plain.eval()
+    wrapped.eval()
+    ids = _ids(2, 5)
+    config = plain.config
+    expected_cache = transformers.StaticCache(config=config, max_cache_len=16)
+    cache = transformers.StaticCache(config=config, max_cache_len=16)
+    with torch.no_grad():
+        expected = plain(ids, past_key_values=expected_cache)
+        got = wrapped(ids, past_key_values=cache)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-5)
+    assert got.past_key_values is cache
+    for a, b in zip(cache.layers, expected_cache.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 5
+    before = ortfx.stats(wrapped).exports
+    static = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    static["cache_implementation"] = "static"
+    assert torch.equal(wrapped.generate(ids, **static), plain.generate(ids, **static))
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports - before, stats.fallback_calls) == (2, 0)

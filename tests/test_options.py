@@ -161,15 +161,10 @@ def test_saved_onnx_files_per_mode(tmp_path: Any) -> None:
     wrapped.eval()
     with torch.no_grad():
         wrapped(x)
-    training_files = {f for f in os.listdir(tmp_path) if "_training" in f}
-    eval_with_grad = wrapped(x.requires_grad_())  # eval mode, gradient graph: "_inference" files
-    eval_with_grad.sum().backward()
-    assert {f for f in os.listdir(tmp_path) if "_training" in f} == training_files  # untouched
     assert sorted(os.listdir(tmp_path)) == [
         "mlp_execution_model_inference.onnx",
         "mlp_execution_model_training.onnx",
         "mlp_optimized_inference.onnx",
-        "mlp_optimized_pre_grad_inference.onnx",
         "mlp_optimized_pre_grad_training.onnx",
         "mlp_optimized_training.onnx",
         "mlp_post_processed_inference.onnx",
@@ -230,9 +225,9 @@ class TakesAnything(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, extra: Any = None, use_qr: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: Any = None, use_i0: bool = False) -> torch.Tensor:
         y = self.lin(x)
-        return torch.linalg.qr(y)[0] if use_qr else y
+        return torch.special.i0(y) if use_i0 else y  # i0: no ONNX export
 
 
 X = torch.randn(3, 4)
@@ -242,7 +237,7 @@ X = torch.randn(3, 4)
     ("call", "flag", "error"),
     [
         ({"extra": Odd()}, FallbackPolicy.UNSUPPORTED_DATA, ortfx.OrtfxIOError),
-        ({"use_qr": True}, FallbackPolicy.UNSUPPORTED_ONNX_MODEL, ortfx.OrtfxExportError),
+        ({"use_i0": True}, FallbackPolicy.UNSUPPORTED_ONNX_MODEL, ortfx.OrtfxExportError),
     ],
 )
 def test_fallback_under_each_policy(
@@ -292,8 +287,8 @@ def test_data_parallel_falls_back_for_good_under_the_default_policy(
 def test_retry_tries_ort_again_for_a_new_schema_and_not_for_the_failed_one() -> None:
     model = TakesAnything()
     wrapped = ortfx.ORTModule(model)
-    wrapped(X, use_qr=True)  # export fails: fallback for this schema
-    wrapped(X, use_qr=True)  # same schema: straight to PyTorch, no new export attempt
+    wrapped(X, use_i0=True)  # export fails: fallback for this schema
+    wrapped(X, use_i0=True)  # same schema: straight to PyTorch, no new export attempt
     wrapped(X)  # new schema: ORT again
     s = ortfx.stats(wrapped)
     assert (s.exports, s.fallback_calls, s.calls) == (1, 2, 3)
@@ -303,7 +298,7 @@ def test_retry_tries_ort_again_for_a_new_schema_and_not_for_the_failed_one() -> 
 def test_without_retry_every_later_call_runs_in_pytorch() -> None:
     model = TakesAnything()
     wrapped = ortfx.ORTModule(model, options=Options(fallback_retry=False))
-    wrapped(X, use_qr=True)
+    wrapped(X, use_i0=True)
     assert torch.equal(wrapped(X), model(X))
     s = ortfx.stats(wrapped)
     assert (s.exports, s.fallback_calls) == (0, 2)

@@ -29,6 +29,18 @@ Pass = Callable[[PostExportProcessedModelInfo], PostExportProcessedModelInfo]
 Edit = Callable[[onnx.ModelProto], bool]
 
 
+def _with_model(
+    info: PostExportProcessedModelInfo, model: onnx.ModelProto
+) -> PostExportProcessedModelInfo:
+    """``info`` with an edited ``model``; the runners fetch outputs by ``output_names``, so
+    they follow an edit that renames graph outputs (see :func:`separate_outputs`)."""
+    return attrs.evolve(
+        info,
+        model=model.SerializeToString(),
+        output_names=tuple(o.name for o in model.graph.output),
+    )
+
+
 def chain(*passes: Pass) -> Pass:
     """Compose passes left to right (Optax's ``chain`` for graphs).
 
@@ -47,11 +59,11 @@ def chain(*passes: Pass) -> Pass:
                 changed = edit(model) or changed
                 continue
             if model is not None and changed:
-                info = attrs.evolve(info, model=model.SerializeToString())
+                info = _with_model(info, model)
             model, changed = None, False
             info = p(info)
         if model is not None and changed:
-            info = attrs.evolve(info, model=model.SerializeToString())
+            info = _with_model(info, model)
         return info
 
     return run
@@ -68,7 +80,7 @@ def graph_pass(edit: Edit) -> Pass:
         model = onnx.load_model_from_string(info.model)
         if not edit(model):
             return info
-        return attrs.evolve(info, model=model.SerializeToString())
+        return _with_model(info, model)
 
     run.edit = edit  # type: ignore[attr-defined]  # lets chain() share one decoded model
     return run
