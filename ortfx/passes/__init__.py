@@ -123,6 +123,48 @@ def add_cross_entropy_log_prob(model: onnx.ModelProto) -> bool:
     return changed
 
 
+@graph_pass
+def tanh_as_sigmoid(model: onnx.ModelProto) -> bool:
+    """Write float32 ``Tanh(z)`` as ``2 * Sigmoid(2 * z) - 1``.
+
+    ORT fuses the exporter's tanh GELU into ``FastGelu``, whose CPU gradient (``FastGeluGrad``)
+    is several times slower than the unfused elementwise ops; without a ``Tanh`` the fusion
+    does not match. Only tensors shape inference types as float32 are rewritten.
+    """
+    tanhs = [n for n in model.graph.node if _standard(n, "Tanh")]
+    if not tanhs:
+        return False
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    floats = {
+        v.name
+        for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+        if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    }
+    h = onnx.helper
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if not (_standard(node, "Tanh") and node.input[0] in floats):
+            nodes.append(node)
+            continue
+        tag = f"{node.name or f'Tanh_{i}'}_as_sigmoid"
+        two = h.make_tensor(f"{tag}_two_value", onnx.TensorProto.FLOAT, [], [2.0])
+        one = h.make_tensor(f"{tag}_one_value", onnx.TensorProto.FLOAT, [], [1.0])
+        nodes += [
+            h.make_node("Constant", [], [f"{tag}_two"], name=f"{tag}_two", value=two),
+            h.make_node("Constant", [], [f"{tag}_one"], name=f"{tag}_one", value=one),
+            h.make_node("Mul", [node.input[0], f"{tag}_two"], [f"{tag}_2z"], name=f"{tag}_2z"),
+            h.make_node("Sigmoid", [f"{tag}_2z"], [f"{tag}_s"], name=f"{tag}_s"),
+            h.make_node("Mul", [f"{tag}_s", f"{tag}_two"], [f"{tag}_2s"], name=f"{tag}_2s"),
+            h.make_node("Sub", [f"{tag}_2s", f"{tag}_one"], [node.output[0]], name=tag),
+        ]
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
 def _split_cross_entropy(node: onnx.NodeProto, tag: str) -> list[onnx.NodeProto]:
     """LogSoftmax + GatherElements + a masked reduction, equal to SoftmaxCrossEntropyLoss."""
     h, f32, i64 = onnx.helper, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
@@ -550,6 +592,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
     """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
         add_pythonop_ctx,
+        tanh_as_sigmoid,
         add_layernorm_stats,
         split_cross_entropy,
         add_cross_entropy_log_prob,
