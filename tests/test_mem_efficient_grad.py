@@ -328,3 +328,81 @@ def test_no_grad_and_inference_calls_are_untouched() -> None:
     mem(x).sum().backward()
     with torch.no_grad():
         assert models.max_diff(eager(x), mem(x)) <= TOL
+
+
+DDP_TIMEOUT = 120  # seconds for both ranks; a hung collective fails instead of blocking
+
+
+def _ddp_ranks(world: int) -> list[dict[str, object]]:
+    """Run tests/ddp_worker.py on ``world`` CPU ranks (gloo, 127.0.0.1, a free port)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+            }
+            cmd = [sys.executable, "-m", "tests.ddp_worker", os.path.join(tmp, f"{rank}.json")]
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+            )
+        outputs = []
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=DDP_TIMEOUT)[0].decode()[-3000:])
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                pytest.fail("DDP ranks did not finish in time")
+        if any(p.returncode for p in procs):
+            pytest.fail("DDP rank failed:\n" + "\n".join(outputs))
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+def test_ddp_over_ortmodule_matches_single_process() -> None:
+    """DistributedDataParallel(ORTModule(model)) on 2 gloo ranks: losses and weights after N
+    steps equal one eager process on the concatenated batch; with the option on, DDP's
+    gradient hooks run inside ORT's backward."""
+    from tests import ddp_worker
+
+    ranks = _ddp_ranks(2)
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    eager = ddp_worker.make_model()
+    optimizer = torch.optim.SGD(eager.parameters(), lr=ddp_worker.LR)
+    losses = []
+    for step in range(ddp_worker.STEPS):
+        loss = eager(*ddp_worker.batch(step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    for mode in ("mem_efficient=True", "mem_efficient=False"):
+        for rank in ranks:
+            run = rank[mode]
+            assert max(abs(a - b) for a, b in zip(run["losses"], losses, strict=True)) <= 1e-5
+            for name, p in eager.named_parameters():
+                got = torch.tensor(run["weights"][name])
+                assert models.max_diff(got, p.flatten()) <= 1e-5, (mode, name)
+    assert all(ranks[0]["mem_efficient=True"]["inside"])
+    assert not any(ranks[0]["mem_efficient=False"]["inside"])
