@@ -122,14 +122,14 @@ class PostExportProcessedModelInfo:
                 leaves[i.source] if i.kind is InputKind.USER else named_tensors[i.source]  # type: ignore[index]
                 for i in self.inputs
             )
-        fed = tuple(named_tensors[i.source] for i in self.fed_params)
+        fed = tuple(named_tensors[str(i.source)] for i in self.fed_params)
         trigger = torch.zeros((), device=fed[0].device, requires_grad=True)
         graph = tuple(
             leaves[i.source]  # type: ignore[index]
             if i.kind is InputKind.USER
             else trigger
             if i.kind is InputKind.TRIGGER
-            else named_tensors[i.source]
+            else named_tensors[str(i.source)]
             for i in self.inputs
         )
         return (*graph, fed)  # type: ignore[arg-type]

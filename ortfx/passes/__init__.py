@@ -501,12 +501,12 @@ def feeds_after_readers(model: onnx.ModelProto, function: str) -> bool:
         keyed: list[tuple[float, onnx.NodeProto]] = []
         moved = {id(g): b for g, b in extra}
         for k, node in enumerate(graph.node):
-            barrier = moved.get(id(node))
-            if barrier is None:
+            wait = moved.get(id(node))
+            if wait is None:
                 keyed.append((k, node))
                 continue
-            at = max([k, *(index[i] for i in barrier.input if i in index)]) + 0.5
-            keyed.extend([(at, barrier), (at, node)])
+            at = max([k, *(index[i] for i in wait.input if i in index)]) + 0.5
+            keyed.extend([(at, wait), (at, node)])
         nodes = [node for _, node in sorted(keyed, key=lambda pair: pair[0])]
         del graph.node[:]
         graph.node.extend(nodes)

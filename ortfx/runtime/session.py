@@ -406,7 +406,8 @@ def _feeds_after_readers(model: bytes) -> bytes:
     proto = onnx.load_model_from_string(model)
     if not passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME):
         return model
-    return proto.SerializeToString()
+    edited: bytes = proto.SerializeToString()
+    return edited
 
 
 def open_training(
