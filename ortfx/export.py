@@ -881,3 +881,20 @@ def queue_after_backward(callback: Any) -> None:
     if queue is None:
         raise RuntimeError(QUEUE_CALLBACK_MISSING.format(version=torch.__version__))
     queue(callback)
+
+
+WILL_EXECUTE_MISSING = (
+    "this torch ({version}) no longer offers torch._C._will_engine_execute_node, which ortfx "
+    "uses to tell a full backward from torch.autograd.grad / backward(inputs=...) under "
+    "Options(enable_mem_efficient_grad_management=True); turn that option off, and please "
+    "report this with your torch version."
+)
+
+
+def engine_accumulates(leaf: torch.Tensor) -> bool:
+    """During a backward: whether torch's engine will run ``leaf``'s AccumulateGrad (False
+    when the backward was restricted to other tensors: ``autograd.grad``, ``inputs=``)."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    if check is None:
+        raise RuntimeError(WILL_EXECUTE_MISSING.format(version=torch.__version__))
+    return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))

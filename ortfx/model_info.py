@@ -19,6 +19,9 @@ class InputKind(enum.Enum):
     PARAMETER = "parameter"
     BUFFER = "buffer"
     INTERNAL = "internal"
+    # A fresh 0-dim leaf per call that pulls the parameters fed through PythonOps (see
+    # ortfx.runtime.memgrad): torch's engine runs ORT's backward because it requires grad.
+    TRIGGER = "gradient trigger"
 
 
 @attrs.frozen
@@ -72,6 +75,9 @@ class PostExportProcessedModelInfo:
     # a shape-dependent If): when set, every training session is built for the call's input
     # sizes (see passes.mark_static_sizes and passes.pin_sizes).
     static_size_ops: tuple[str, ...] = ()
+    # Parameters that are no graph inputs but PythonOp outputs (memory-efficient gradients),
+    # in the PythonOps' index order; the autograd bridge takes them after the graph inputs.
+    fed_params: tuple[InputSpec, ...] = ()
 
     @property
     def n_user_outputs(self) -> int:
@@ -95,7 +101,9 @@ class PostExportProcessedModelInfo:
     @property
     def params_to_train(self) -> tuple[str, ...]:
         return tuple(
-            i.name for i in self.inputs if i.kind is InputKind.PARAMETER and i.requires_grad
+            i.name
+            for i in self.inputs
+            if i.kind in (InputKind.PARAMETER, InputKind.TRIGGER) and i.requires_grad
         )
 
     def construct_inputs(
@@ -118,11 +126,28 @@ class PostExportProcessedModelInfo:
     def construct_inputs_flat(
         self, leaves: Sequence[Any], named_tensors: Mapping[str, Any], /
     ) -> tuple[torch.Tensor, ...]:
-        """Like :meth:`construct_inputs`, from already flattened (and tensorized) leaves."""
-        return tuple(
-            leaves[i.source] if i.kind is InputKind.USER else named_tensors[i.source]  # type: ignore[index]
+        """Like :meth:`construct_inputs`, from already flattened (and tensorized) leaves.
+
+        With :attr:`fed_params`, a tuple of those parameters follows the graph inputs: one
+        argument autograd does not look into, so they are no inputs of the ORT autograd node
+        (their gradients reach torch from inside ORT's backward instead).
+        """
+        if not self.fed_params:
+            return tuple(
+                leaves[i.source] if i.kind is InputKind.USER else named_tensors[i.source]  # type: ignore[index]
+                for i in self.inputs
+            )
+        fed = tuple(named_tensors[str(i.source)] for i in self.fed_params)
+        trigger = torch.zeros((), device=fed[0].device, requires_grad=True)
+        graph = tuple(
+            leaves[i.source]  # type: ignore[index]
+            if i.kind is InputKind.USER
+            else trigger
+            if i.kind is InputKind.TRIGGER
+            else named_tensors[str(i.source)]
             for i in self.inputs
         )
+        return (*graph, fed)  # type: ignore[arg-type]
 
     def restore_outputs(
         self, flat: Sequence[torch.Tensor], /, leaves: Sequence[Any] | None = None

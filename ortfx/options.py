@@ -184,6 +184,10 @@ class Options:
     # ORT's CPU memory arena keeps its high-water mark: faster steps, but it hides what the
     # memory optimizer saves. Turn it off to see (and keep) the savings in RSS.
     cpu_mem_arena: bool = True
+    # Each trainable parameter enters the graph through a PythonOp whose backward hands its
+    # gradient to torch (AccumulateGrad, hooks, DDP) the moment ORT computes it, instead of
+    # all gradients at the end of ORT's backward. See docs/memory.md.
+    enable_mem_efficient_grad_management: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.save_onnx and not self.onnx_prefix:
@@ -312,6 +316,11 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
     "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER": ("enable_compute_optimizer", _flag, "1 or 0"),
     "ORTMODULE_ENABLE_CUSTOM_AUTOGRAD": ("enable_custom_autograd_function", _flag, "1 or 0"),
     "ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT": ("deepcopy_before_export", _flag, "1 or 0"),
+    "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": (
+        "enable_mem_efficient_grad_management",
+        _flag,
+        "1 or 0",
+    ),
     "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
     "ORTFX_INTRA_OP_THREADS": ("intra_op_threads", _threads, "a positive int"),
     "ORTFX_ALLOW_SPINNING": ("allow_spinning", _flag, "1 or 0"),

@@ -64,6 +64,8 @@ class GradState:
     param_names: tuple[str, ...] = attrs.field(eq=False)
     # (memory_opt_level, memory_opt_config): the gradient graph's recompute plans.
     memory: tuple[int, str] = (0, "")
+    # Options.enable_mem_efficient_grad_management: parameters fed through PythonOps.
+    mem_efficient_grad: bool = False
 
 
 @attrs.frozen
@@ -296,6 +298,15 @@ def explain_grad(seen: GradState, given: GradState, paths: tuple[str, ...]) -> t
             reasons.append(
                 Reason(f"option {name}", repr(a), repr(b), "a memory optimizer option changed")
             )
+    if seen.mem_efficient_grad != given.mem_efficient_grad:
+        reasons.append(
+            Reason(
+                "option enable_mem_efficient_grad_management",
+                repr(seen.mem_efficient_grad),
+                repr(given.mem_efficient_grad),
+                "parameters enter the graph another way",
+            )
+        )
     return tuple(reasons)
 
 
@@ -475,6 +486,7 @@ class CallContext:
     device: str
     deterministic: bool
     settings: tuple[tuple[str, Any], ...] = ()
+    mem_efficient_grad: bool = False
 
 
 def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallContext) -> Call:
@@ -493,6 +505,7 @@ def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallC
             context.params_requiring_grad,
             context.param_names,
             context.memory,
+            context.mem_efficient_grad,
         ),
         SessionKey(context.device, context.deterministic, context.settings),
     )

@@ -451,6 +451,158 @@ def with_grad_requirements(
     return run
 
 
+TRIGGER = "ortfx_grad_trigger"
+
+
+def feed_parameters(function: str) -> Pass:
+    """Memory-efficient gradients: each parameter that requires grad becomes the output of a
+    PythonOp running the autograd.Function ``function`` (its graph name), fed by one new
+    0-dim float input, the trigger; frozen parameters stay plain inputs.
+
+    The Function's forward returns parameter number ``index`` (its constant argument) of the
+    current call and its backward hands the gradient ORT computed to torch; see
+    :mod:`ortfx.runtime.memgrad`. The parameters' shapes stay known to ORT as value infos.
+    """
+
+    def run(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
+        fed = tuple(s for s in info.inputs if s.kind is InputKind.PARAMETER and s.requires_grad)
+        if not fed:
+            return info
+        model = onnx.load_model_from_string(info.model)
+        graph, h = model.graph, onnx.helper
+        names = {spec.name for spec in fed}
+        values = {v.name: v for v in graph.input}
+        kept = [v for v in graph.input if v.name not in names]
+        del graph.input[:]
+        graph.input.extend(kept)
+        graph.input.append(h.make_tensor_value_info(TRIGGER, onnx.TensorProto.FLOAT, []))
+        feeds = []
+        for index, spec in enumerate(fed):
+            tensor_type = values[spec.name].type.tensor_type
+            feeds.append(
+                h.make_node(
+                    "PythonOp",
+                    [TRIGGER],
+                    [f"{spec.name}_feed_ctx", spec.name],
+                    name=f"ortfx_feed_{index}",
+                    domain="com.microsoft",
+                    func_name=function,
+                    input_convention="dc",
+                    input_tensor_types=[onnx.TensorProto.FLOAT],
+                    input_tensor_ranks=[0],
+                    input_int_scalars=[index],
+                    input_int_scalar_positions=[1],
+                    output_tensor_types=[tensor_type.elem_type],
+                    output_tensor_ranks=[len(tensor_type.shape.dim)],
+                    training_mode=1,
+                )
+            )
+            graph.value_info.append(values[spec.name])
+        nodes = [*feeds, *graph.node]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(h.make_opsetid("com.microsoft", 1))
+        inputs = (
+            *(spec for spec in info.inputs if spec.name not in names),
+            InputSpec(TRIGGER, InputKind.TRIGGER, "", requires_grad=True),
+        )
+        return attrs.evolve(info, model=model.SerializeToString(), inputs=inputs, fed_params=fed)
+
+    return run
+
+
+# Nodes that only re-lay a value out: a reader of their output reads the parameter too.
+_LAYOUT_OPS = frozenset(
+    {"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Cast", "Expand"}
+)
+
+
+def _downstream(graph: onnx.GraphProto, start: set[str]) -> set[str]:
+    """Names of the values computed (transitively) from the values ``start``."""
+    reached = set(start)
+    for node in graph.node:  # ORT's gradient model is topologically sorted
+        if any(i in reached for i in node.input):
+            reached.update(o for o in node.output if o)
+    return reached
+
+
+def feeds_after_readers(model: onnx.ModelProto, function: str) -> bool:
+    """In a gradient model: each parameter-feeding PythonOp's gradient node runs only after
+    every backward node that reads the parameter (directly or through layout nodes).
+
+    Its gradient goes to torch there, and a hook may change the parameter in place (an
+    optimizer stepped in backward) while ORT still holds its buffer. Each such gradient gets a
+    ``com.microsoft::PassThrough`` (outputs alias inputs, no copy) over the gradient and one
+    output of each reader, so it is ready only when they have run. Readers that run in the
+    forward (ancestors of ORT's ``YieldOp``) need no wait.
+    """
+    graph = model.graph
+    feeds = {
+        node.output[1]: node.output[0]
+        for node in graph.node
+        if node.op_type == "PythonOp"
+        and any(a.name == "func_name" and a.s.decode() == function for a in node.attribute)
+    }
+    if not feeds:
+        return False
+    yields = [n for n in graph.node if n.op_type == "YieldOp"]
+    backward = _downstream(graph, {o for n in yields for o in n.output})
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in set(node.input):
+            consumers.setdefault(name, []).append(node)
+
+    def readers(value: str) -> list[str]:
+        found: list[str] = []
+        for node in consumers.get(value, []):
+            if node.op_type == "PythonOpGrad" or not node.output:
+                continue
+            if node.op_type in _LAYOUT_OPS and node.output[0] not in backward:
+                found.extend(readers(node.output[0]))  # W^T etc.: wait for who reads that
+            elif node.output[0] in backward or node.op_type in _LAYOUT_OPS:
+                found.append(node.output[0])
+        return found
+
+    changed = False
+    by_ctx = {node.input[0]: node for node in graph.node if node.op_type == "PythonOpGrad"}
+    extra: list[tuple[onnx.NodeProto, onnx.NodeProto]] = []
+    for param, ctx in feeds.items():
+        grad_node = by_ctx.get(ctx)
+        waits = sorted(set(readers(param)))
+        if grad_node is None or not waits:
+            continue
+        grad = grad_node.input[1]
+        tag = f"ortfx_after_readers_{param}"
+        barrier = onnx.helper.make_node(
+            "PassThrough",
+            [grad, *waits],
+            [f"{tag}_grad", *(f"{tag}_{k}" for k in range(len(waits)))],
+            name=tag,
+            domain="com.microsoft",
+        )
+        grad_node.input[1] = f"{tag}_grad"
+        extra.append((grad_node, barrier))
+        changed = True
+    if changed:
+        # Keep ORT's order (its priority-based schedule follows it): a barrier and its
+        # gradient node go right after the last producer of what they wait for, if later.
+        index = {o: k for k, node in enumerate(graph.node) for o in node.output}
+        keyed: list[tuple[float, onnx.NodeProto]] = []
+        moved = {id(g): b for g, b in extra}
+        for k, node in enumerate(graph.node):
+            wait = moved.get(id(node))
+            if wait is None:
+                keyed.append((k, node))
+                continue
+            at = max([k, *(index[i] for i in wait.input if i in index)]) + 0.5
+            keyed.extend([(at, wait), (at, node)])
+        nodes = [node for _, node in sorted(keyed, key=lambda pair: pair[0])]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return changed
+
+
 def with_dynamic_scalars(paths: frozenset[str]) -> Pass:
     """Record which scalar leaves the graph reads as tensors (``Options.dynamic_scalars``)."""
 
@@ -620,17 +772,22 @@ def for_session(
     seed: int,
     symbolic: bool = False,
     sizes: tuple[tuple[int, ...], ...] = (),
+    feed_params_through: str | None = None,
 ) -> Pass:
     """Pipeline 2, once per ORT training session: what this session differentiates, the
     dropout seeds of torch's current seed, the refusal of graphs whose gradient build would
     kill the process, the user inputs' concrete ``sizes`` when the graph needs them
-    (``static_size_ops``), and (for the memory optimizer) symbolic intermediate shapes."""
+    (``static_size_ops``), the parameters fed through the autograd.Function named
+    ``feed_params_through`` (memory-efficient gradients, :func:`feed_parameters`), and (for the
+    memory optimizer) symbolic intermediate shapes."""
     stages: list[Pass] = [
         with_grad_requirements(inputs_requiring_grad, params_requiring_grad),
         seed_dropouts(seed),
         refuse_unsafe_gradients,
         pin_sizes(sizes),
     ]
+    if feed_params_through is not None:
+        stages.append(feed_parameters(feed_params_through))
     if symbolic:
         stages.append(symbolic_shapes)
     return chain(*stages)

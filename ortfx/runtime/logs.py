@@ -133,6 +133,11 @@ def feature_table(options: Options, exporter: str, *, deterministic: bool) -> st
             "ORTMODULE_MEMORY_OPT_LEVEL=0/1/2, ORTMODULE_MEMORY_OPT_CONFIG",
         ),
         (
+            "Mem-efficient gradients",
+            _on(options.enable_mem_efficient_grad_management),
+            "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=0/1",
+        ),
+        (
             "Fallback to PyTorch",
             _policy(policy),
             "Options(fallback_policy=...) or ORTMODULE_FALLBACK_POLICY",

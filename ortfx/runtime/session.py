@@ -34,10 +34,10 @@ from ortfx.errors import (
     OrtfxRuntimeError,
     OrtfxUnsupportedOpError,
 )
-from ortfx.export import pythonop_functions
+from ortfx.export import engine_accumulates, pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
-from ortfx.runtime import events, pythonop
+from ortfx.runtime import events, memgrad, pythonop
 
 try:
     import onnxruntime as ort
@@ -184,6 +184,11 @@ def session_options(options: Options, *, training: bool, deterministic: bool) ->
     )
     if deterministic:
         so.use_deterministic_compute = True
+    if training and options.enable_mem_efficient_grad_management:
+        # ORT's default order runs every parameter-feeding PythonOp's gradient at the very end
+        # of the backward (all gradients alive at once, hooks after everything); priority-based
+        # order runs each as soon as its gradient exists, last layer first (measured).
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     so.log_severity_level = 3
     for edit in events.session_option_edits:
         edit(so, training)
@@ -308,11 +313,12 @@ class ForwardRun:
     releases those contexts.
     """
 
-    __slots__ = ("contexts", "state")
+    __slots__ = ("contexts", "state", "trigger")
 
-    def __init__(self, state: Any, contexts: list[int]) -> None:
+    def __init__(self, state: Any, contexts: list[int], trigger: torch.Tensor | None) -> None:
         self.state = state
         self.contexts = contexts
+        self.trigger = trigger  # memory-efficient gradients: the call's trigger leaf
 
     def __del__(self) -> None:
         if self.contexts:
@@ -391,6 +397,9 @@ class TrainingRunner:
     python_ops: bool = False
     # Set when ORT's compute optimizer failed on this graph and the build went without it.
     compute_optimizer_failure: str | None = None
+    # Memory-efficient gradients: where the trigger is among the graph inputs (the fed
+    # parameters follow the graph inputs, see PostExportProcessedModelInfo.fed_params).
+    trigger_slot: int | None = None
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -399,22 +408,30 @@ class TrainingRunner:
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         _check_not_empty(self.info, inputs, self.user_slots)
+        n = len(self.info.inputs)
+        graph_inputs = inputs[:n]
+        fed: Sequence[torch.Tensor] = inputs[n] if len(inputs) > n else ()  # type: ignore[assignment]
         feeds = C.OrtValueVector()
-        feeds.reserve(len(inputs))
+        feeds.reserve(n)
         try:
-            for t in inputs:
+            for t in graph_inputs:
                 _to_ort(feeds, t)
         except Exception as e:
-            raise _feed_error(self.info, inputs, e) from e
+            raise _feed_error(self.info, graph_inputs, e) from e
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
-        with _serialized(self.python_ops), pythonop.training_run() as contexts:
+        with (
+            _serialized(self.python_ops),
+            pythonop.training_run() as contexts,
+            memgrad.feeding(fed),
+        ):
             try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
             except Exception as e:
                 pythonop.release(contexts)
-                raise _run_failed("forward", inputs, e) from e
-        return _to_torch(fetches), ForwardRun(run_state, contexts)
+                raise _run_failed("forward", graph_inputs, e) from e
+        trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
+        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger)
 
     def backward(
         self,
@@ -434,12 +451,31 @@ class TrainingRunner:
                 )
             _to_ort(feeds, grad)
         fetches = C.OrtValueVector()
-        try:
-            with _serialized(self.python_ops):
+        trigger = run_state.trigger
+        if trigger is not None and not engine_accumulates(trigger):
+            # autograd.grad / backward(inputs=...): the parameters are no inputs of the
+            # autograd node, so what torch would hand them cannot reach them.
+            raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
+        with _serialized(self.python_ops), memgrad.accumulating():
+            try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
-        except Exception as e:
-            raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
-        return _to_torch(fetches)
+            except Exception as e:
+                raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
+        grads: list[torch.Tensor | None] = list(_to_torch(fetches))
+        if trigger is not None:
+            # The trigger's own gradient, last among ORT's (it is the last graph input).
+            grads[-1] = None
+        return grads  # type: ignore[return-value]
+
+
+RESTRICTED_BACKWARD = (
+    "this backward asks for the gradients of some tensors only (torch.autograd.grad or "
+    "backward(inputs=...)) through an ORTModule with "
+    "Options(enable_mem_efficient_grad_management=True), which hands parameter gradients to "
+    "torch only by accumulating them into .grad during a full backward (loss.backward()). "
+    "Turn the option off for this module (ortfx.configure(model, "
+    "enable_mem_efficient_grad_management=False)) to compute restricted gradients."
+)
 
 
 def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
@@ -447,9 +483,20 @@ def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
     return tuple(
         k
         for k, spec in enumerate(info.inputs)
-        if spec.kind is not InputKind.INTERNAL
+        if spec.kind not in (InputKind.INTERNAL, InputKind.TRIGGER)
         and (spec.kind is InputKind.USER, spec.source) not in updated
     )
+
+
+def _feeds_after_readers(model: bytes) -> bytes:
+    """Memory-efficient gradients: see :func:`ortfx.passes.feeds_after_readers`."""
+    from ortfx import passes
+
+    proto = onnx.load_model_from_string(model)
+    if not passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME):
+        return model
+    edited: bytes = proto.SerializeToString()
+    return edited
 
 
 def open_training(
@@ -495,6 +542,8 @@ def open_training(
             raise _build_failed(info.model, again) from again
     gi = builder.get_graph_info()
     gradient_model: bytes = builder.get_gradient_model()
+    if info.fed_params:
+        gradient_model = _feeds_after_readers(gradient_model)
     gradient_build_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -538,6 +587,9 @@ def open_training(
         user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
         python_ops=bool(functions),
         compute_optimizer_failure=failure,
+        trigger_slot=next(
+            (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
+        ),
     )
 
 

@@ -50,7 +50,7 @@ from ortfx.io import STATIC_TYPES
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import FallbackPolicy, Options
-from ortfx.runtime import events, logs, watch
+from ortfx.runtime import events, logs, memgrad, watch
 from ortfx.runtime.autograd import RunORT
 from ortfx.runtime.logs import WrapperLog, captured
 from ortfx.runtime.session import (
@@ -435,6 +435,7 @@ def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallCon
         device=str(tracked.device),
         deterministic=torch.are_deterministic_algorithms_enabled(),
         settings=session_settings(options),
+        mem_efficient_grad=options.enable_mem_efficient_grad_management,
     )
 
 
@@ -593,6 +594,8 @@ def execute(
                     # call needs; its outputs carry a backward that says why it cannot run.
                     built = attrs.evolve(built, forward_only=_first_line(error))
         if needs_grad and built.training is not None:
+            if built.training.info.fed_params:  # memory-efficient gradients: its own inputs
+                inputs = built.training.info.construct_inputs_flat(leaves, tracked.named_tensors)
             outputs = RunORT.apply(built.training, *inputs)  # type: ignore[no-untyped-call]
         else:
             if built.inference is None:
@@ -743,6 +746,7 @@ def _session_pipeline(
         seed=torch.initial_seed(),
         symbolic=symbolic,
         sizes=sizes,
+        feed_params_through=memgrad.FUNCTION_NAME if grad.mem_efficient_grad else None,
     )
     return passes.chain(pipeline, *events.session_passes) if events.session_passes else pipeline
 

@@ -1,0 +1,103 @@
+"""Memory-efficient gradient management: each parameter's gradient goes to torch as ORT makes it.
+
+With ``Options(enable_mem_efficient_grad_management=True)`` the session pipeline
+(:func:`ortfx.passes.feed_parameters`) turns every parameter that requires grad into the output
+of a PythonOp running :class:`FeedParameter`, fed by a trigger input (a fresh 0-dim leaf per
+call that requires grad, so torch runs ORT's backward even when only parameters require grad).
+The parameters reach the autograd bridge (``RunORT``) as one tuple argument, which autograd does
+not look into: they are no inputs of its node, so torch accumulates nothing for them there (a
+``None`` returned for an input would still run that input's hooks, with ``None``).
+
+* ORT's forward: :func:`feeding` makes the call's parameters visible to ``FeedParameter.forward``,
+  which hands parameter ``index`` to ORT without a copy.
+* ORT's backward (inside :func:`accumulating`): ORT runs ``FeedParameter.backward`` the moment
+  it has a parameter's gradient, which calls ``torch.autograd.backward(param, grad)``: torch's
+  own ``AccumulateGrad`` runs, with tensor hooks, post-accumulate-grad hooks and DDP's reducer,
+  while ORT goes on with the earlier layers. ``loss.backward()`` returns after ORT's backward,
+  so every gradient is accumulated by then, each exactly once.
+* A hook may change the parameter in place (an optimizer stepped in backward) while ORT still
+  holds its buffer: the gradient model is edited so that ORT has run every backward node that
+  reads the parameter before that gradient node (:func:`ortfx.passes.feeds_after_readers`).
+* A parameter changed in place between the forward and its backward raises, as torch would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ortfx.export import function_graph_name
+
+# .params: the parameters of the ORT forward running on this thread; .accumulating: True while
+# an ortfx backward runs ORT's backward on this thread.
+_LOCAL = threading.local()
+
+NOT_RUNNING = (
+    "ortfx: a parameter-feeding PythonOp ran outside an ortfx {phase}; the graph that holds it "
+    "can only run through the ORTModule that built it."
+)
+CHANGED_IN_PLACE = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: the parameter of shape {shape} was at version {seen} in the forward and is at "
+    "version {now} now (e.g. optimizer.step() between forward and backward). Run the forward "
+    "again after changing parameters."
+)
+
+
+class FeedParameter(torch.autograd.Function):
+    """``apply(trigger, index)``: parameter ``index`` of the running call, as a PythonOp."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, index: int) -> torch.Tensor:
+        params: Sequence[torch.Tensor] | None = getattr(_LOCAL, "params", None)
+        if params is None:
+            raise RuntimeError(NOT_RUNNING.format(phase="forward"))
+        param = params[index]
+        ctx.param = param
+        ctx.version = param._version
+        return param.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if not getattr(_LOCAL, "accumulating", False):
+            raise RuntimeError(NOT_RUNNING.format(phase="backward"))
+        param = ctx.param
+        if param._version != ctx.version:
+            raise RuntimeError(
+                CHANGED_IN_PLACE.format(
+                    shape=list(param.shape), seen=ctx.version, now=param._version
+                )
+            )
+        # torch's engine (re-entered on this thread): AccumulateGrad with every hook, now.
+        torch.autograd.backward(param, grad)
+        # The trigger's gradient: ORT wants one; the bridge drops it.
+        return torch.zeros((), dtype=torch.float32, device=grad.device), None
+
+
+FUNCTION_NAME = function_graph_name(FeedParameter)
+
+
+@contextlib.contextmanager
+def feeding(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """ORT's forward runs with these parameters behind its ``FeedParameter`` nodes."""
+    before = getattr(_LOCAL, "params", None)
+    _LOCAL.params = params
+    try:
+        yield
+    finally:
+        _LOCAL.params = before
+
+
+@contextlib.contextmanager
+def accumulating() -> Iterator[None]:
+    """ORT's backward runs: ``FeedParameter`` nodes hand their gradients to torch."""
+    before = getattr(_LOCAL, "accumulating", False)
+    _LOCAL.accumulating = True
+    try:
+        yield
+    finally:
+        _LOCAL.accumulating = before
