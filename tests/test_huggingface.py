@@ -71,13 +71,7 @@ def test_a_mixture_of_experts_trains_and_generates_in_ort() -> None:
     plain = _mixtral()
     wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
     ids = _ids()
-    expected = plain(input_ids=ids, labels=ids)
-    expected.loss.backward()
-    got = wrapped(input_ids=ids, labels=ids)
-    got.loss.backward()
-    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
-    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    _train_step(plain, wrapped, ids)
     plain.eval()
     wrapped.eval()
     a = plain.generate(ids[:, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -93,6 +87,21 @@ def _pair(name: str) -> tuple[torch.nn.Module, ortfx.ORTModule]:
     return plain, ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
 
 
+def _train_step(
+    plain: torch.nn.Module, wrapped: torch.nn.Module, ids: torch.Tensor
+) -> tuple[Any, Any]:
+    """One language-model step on both; the loss and every gradient must match (loss within
+    1e-5 absolute, gradients 1e-4 relative / 1e-6 absolute). Returns (plain's, wrapped's) output."""
+    expected = plain(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = wrapped(input_ids=ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    return expected, got
+
+
 def _ids(batch: int = 2, length: int = 8) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
 
@@ -103,14 +112,8 @@ def test_a_decoder_trains_in_ort_with_its_default_cache(name: str) -> None:
     gradient match the plain model, the forward ran in ORT, and the returned cache is a cache."""
     plain, wrapped = _pair(name)
     ids = _ids()
-    expected = plain(input_ids=ids, labels=ids)
-    expected.loss.backward()
-    got = wrapped(input_ids=ids, labels=ids)
-    got.loss.backward()
+    expected, got = _train_step(plain, wrapped, ids)
     assert isinstance(got.past_key_values, cache_utils.DynamicCache)
-    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
-    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
     for a, b in zip(got.past_key_values.layers, expected.past_key_values.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
         assert a.get_seq_length() == b.get_seq_length()
@@ -265,13 +268,7 @@ def test_gradient_checkpointing_trains_in_ort_with_layer_wise_recompute(
     plain.gradient_checkpointing_enable()
     wrapped.gradient_checkpointing_enable()
     ids = _ids()
-    expected = plain(input_ids=ids, labels=ids)
-    expected.loss.backward()
-    got = wrapped(input_ids=ids, labels=ids)
-    got.loss.backward()
-    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
-    for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    _train_step(plain, wrapped, ids)
     assert ortfx.stats(wrapped).fallback_calls == 0
     assert "calls torch.utils.checkpoint 2 time(s)" in caplog.text
     assert "memory_opt_level 1 recomputes layer-wise" in caplog.text
@@ -332,15 +329,9 @@ def test_an_encoder_decoder_trains_and_generates_with_its_cache(
     plain = build()
     wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
     ids = _ids()
-    expected = plain(input_ids=ids, labels=ids)
-    expected.loss.backward()
-    got = wrapped(input_ids=ids, labels=ids)
-    got.loss.backward()
+    expected, got = _train_step(plain, wrapped, ids)
     # T5 returns an EncoderDecoderCache; BART turns the cache off itself when given labels
     assert type(got.past_key_values) is type(expected.past_key_values)
-    torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
-    for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
     plain.eval()
     wrapped.eval()
     for kwargs in ({}, {"num_beams": 2}, {"use_cache": False}):
