@@ -678,7 +678,7 @@ def _export_dynamo(
     opset: int,
 ) -> onnx.ModelProto:
     try:
-        import onnxscript  # noqa: F401
+        from ortfx import translations  # imports onnxscript
     except ImportError as e:
         raise OrtfxExportError(DYNAMO_NEEDS_ONNXSCRIPT) from e
     state = {
@@ -708,6 +708,7 @@ def _export_dynamo(
         onnx_program = torch.onnx.export(
             program,
             dynamo=True,
+            custom_translation_table=translations.table(),
             opset_version=max(opset, 18),
             optimize=True,
             input_names=[*input_names, *names],
@@ -784,8 +785,16 @@ def export(
         ):
             try:
                 model = exporter(flat, tensors, input_names, options.opset_version)
-            except Exception:
-                if not (dynamo and functions):
+            except Exception as e:
+                if not dynamo and _CONSTANT_NEEDS_GRAD in str(e):
+                    # Likely a custom Function's forward using a tensor that requires grad
+                    # without taking it as an input: trace again without Function bodies
+                    # (only then: the profile hook slows tracing by about a tenth).
+                    flat = _FlatCall(module, leaves, schema)
+                    calls[0] = 0
+                    with function_bodies_untraced():
+                        model = exporter(flat, tensors, input_names, options.opset_version)
+                elif not (dynamo and functions):
                     raise
             if functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(CUSTOM_FUNCTIONS_DISABLED.format(names=_names(functions)))
@@ -898,3 +907,51 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
     if check is None:
         raise RuntimeError(WILL_EXECUTE_MISSING.format(version=torch.__version__))
     return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))
+
+
+_CONSTANT_NEEDS_GRAD = "Cannot insert a Tensor that requires grad as a constant"
+TRACING_STATE_MISSING = (
+    "this torch ({version}) no longer offers torch._C._get_tracing_state/_set_tracing_state, "
+    "which ortfx uses to export custom autograd Functions without tracing their forward; "
+    "please report this with your torch version."
+)
+
+
+@contextlib.contextmanager
+def function_bodies_untraced() -> Iterator[None]:
+    """Run each custom Function's forward with the TorchScript tracer suspended (an export
+    retried after its trace of a Function body failed).
+
+    The graph keeps the Function as a PythonOp that calls it at run time, so its traced body is
+    never used; tracing it failed on what eager PyTorch allows in a forward, such as a
+    parameter the Function closes over or an ORTModule it calls ("Cannot insert a Tensor that
+    requires grad as a constant"). A profile hook (this thread only) sees the forward start
+    under ``Function.apply``, however the user bound ``apply``.
+    """
+    get = getattr(torch._C, "_get_tracing_state", None)
+    put = getattr(torch._C, "_set_tracing_state", None)
+    if get is None or put is None:
+        raise RuntimeError(TRACING_STATE_MISSING.format(version=torch.__version__))
+    suspended: dict[int, Any] = {}  # id(forward frame) -> the tracing state to restore
+    previous = sys.getprofile()
+
+    def hook(frame: types.FrameType, event: Any, arg: Any) -> None:
+        if event == "call":
+            caller = frame.f_back
+            called_by_apply = caller is not None and caller.f_code is _APPLY_CODE
+            if called_by_apply and frame.f_code.co_name == "forward":
+                suspended[id(frame)] = get()
+                put(None)
+        elif event == "return" and id(frame) in suspended:
+            put(suspended.pop(id(frame)))
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+        for state in suspended.values():  # a forward that raised: restore the outermost
+            put(state)
+            break

@@ -12,6 +12,12 @@ symbolic registry:
   runs with ``enable_gqa=False``, which is what the flag means;
 - ``aten::cumsum`` of a bool tensor (transformers' packed-sequence check), which torch sums as
   int64 and the exporter would hand to ``CumSum`` as bool, a type ONNX does not allow;
+- ``aten::hardtanh``/``aten::relu6`` as ``Where`` selections rather than ``Clip``: ORT's ``Clip``
+  gradient passes the gradient at the bounds and blocks it at NaN, torch's ``hardtanh_backward``
+  does the reverse (``ReLU6`` at exactly 0 got gradient 1 instead of 0);
+- ``aten::softshrink``/``aten::hardshrink`` keep NaN as NaN (the exporter's forms return 0);
+- ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
+  gradients at inf, at ties and at NaN (see :func:`_bounded`);
 - the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
   ``ctc_loss``), written as ATen nodes, if the bridge's executor could be installed.
 
@@ -20,18 +26,21 @@ Imported only by the TorchScript export path (it imports torch.onnx's TorchScrip
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
 import torch.onnx.symbolic_helper as helper
+import torch.onnx.symbolic_opset9 as opset9
 import torch.onnx.symbolic_opset11 as opset11
 import torch.onnx.symbolic_opset14 as opset14
 
 from ortfx import aten
 
 _INT64_MAX = 2**63 - 1
+_NEWEST_OPSET = 25  # beyond the TorchScript exporter's newest; registrations past it are unused
 _registered: list[bool] = []
 _lock = threading.Lock()
 
@@ -119,6 +128,114 @@ def _constant(g: Any, value: Any, dtype: torch.dtype) -> Any:
     return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
 
 
+def _dtype_of(x: Any) -> torch.dtype:
+    dtype = x.type().dtype()
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+@helper.parse_args("v", "f", "f")
+def hardtanh(g: Any, x: Any, low: float, high: float) -> Any:
+    """``hardtanh(x, low, high)`` with torch's gradient: 0 at and beyond the bounds, passed at NaN
+    (``x <= low`` and ``x >= high`` are both false there, and the forward keeps the NaN)."""
+    dtype = _dtype_of(x)
+    at_high = g.op(
+        "Where", g.op("GreaterOrEqual", x, _constant(g, high, dtype)), _constant(g, high, dtype), x
+    )
+    return g.op(
+        "Where", g.op("LessOrEqual", x, _constant(g, low, dtype)), _constant(g, low, dtype), at_high
+    )
+
+
+def relu6(g: Any, x: Any) -> Any:
+    """``relu6(x)``, which torch computes as ``hardtanh(x, 0, 6)``."""
+    return hardtanh(g, x, 0.0, 6.0)
+
+
+_ONNX_FLOATS: Final[dict[torch.dtype, int]] = {
+    torch.float32: 1,
+    torch.float16: 10,
+    torch.float64: 11,
+    torch.bfloat16: 16,
+}
+
+
+def _above(g: Any, x: Any, low: Any, nan: Any) -> Any:
+    # x >= low: x; x < low: low; NaN: a NaN constant, so neither gets a gradient there.
+    inner = g.op("Where", g.op("Less", x, low), low, nan)
+    return g.op("Where", g.op("GreaterOrEqual", x, low), x, inner)
+
+
+def _below(g: Any, x: Any, high: Any, nan: Any) -> Any:
+    inner = g.op("Where", g.op("Greater", x, high), high, nan)
+    return g.op("Where", g.op("LessOrEqual", x, high), x, inner)
+
+
+def _bounded(g: Any, x: Any, low: Any | None, high: Any | None, stock: Callable[[], Any]) -> Any:
+    """``clamp`` of a float tensor with torch's values and gradients where the exporter's
+    forms differ; ``stock`` (the exporter's own symbolic) for the rest.
+
+    - One bound missing: the exporter writes ``Clip`` without it, and ORT's ``Clip`` then
+      clamps to the dtype's largest finite value (``clamp(x, min=0)`` turned inf into 3.4e38).
+      The missing bound becomes ±inf.
+    - A tensor bound: the exporter writes ``Max``/``Min``, whose ORT gradient at a tie goes to
+      the bound, torch's to ``x``, and at NaN to ``x``, torch's nowhere. Written as ``Where``
+      selections with torch's rule instead.
+    """
+    dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
+    if dtype not in _ONNX_FLOATS or (low is None and high is None):
+        return stock()
+    cast = [None if b is None else g.op("Cast", b, to_i=_ONNX_FLOATS[dtype]) for b in (low, high)]
+    if all(b is None or b.type().dim() == 0 for b in cast):
+        filled = [
+            _constant(g, fill, dtype) if b is None else b
+            for b, fill in zip(cast, (-math.inf, math.inf), strict=True)
+        ]
+        return g.op("Clip", x, *filled)
+    nan = _constant(g, math.nan, dtype)
+    if cast[0] is not None:
+        x = _above(g, x, cast[0], nan)
+    if cast[1] is not None:
+        x = _below(g, x, cast[1], nan)
+    return x
+
+
+def clamp(g: Any, x: Any, low: Any, high: Any) -> Any:
+    """``clamp(x, low, high)``, see :func:`_bounded`."""
+    return _bounded(
+        g,
+        x,
+        None if _is_none(low) else low,
+        None if _is_none(high) else high,
+        lambda: opset11.clamp(g, x, low, high),
+    )
+
+
+def clamp_min(g: Any, x: Any, low: Any) -> Any:
+    """``clamp_min(x, low)``, see :func:`_bounded`."""
+    return _bounded(g, x, low, None, lambda: opset11.clamp_min(g, x, low))
+
+
+def clamp_max(g: Any, x: Any, high: Any) -> Any:
+    """``clamp_max(x, high)``, see :func:`_bounded`."""
+    return _bounded(g, x, None, high, lambda: opset11.clamp_max(g, x, high))
+
+
+def _keep_nan(g: Any, x: Any, y: Any) -> Any:
+    return g.op("Where", g.op("IsNaN", x), x, y)
+
+
+@helper.parse_args("v", "f")
+def softshrink(g: Any, x: Any, lambd: float) -> Any:
+    """The exporter's ``softshrink``, NaN kept (its two ``Where`` selections give 0 for NaN)."""
+    return _keep_nan(g, x, opset9.softshrink(g, x, lambd))
+
+
+@helper.parse_args("v", "f")
+def hardshrink(g: Any, x: Any, lambd: float) -> Any:
+    """The exporter's ``hardshrink``, NaN kept."""
+    return _keep_nan(g, x, opset9.hardshrink(g, x, lambd))
+
+
 @helper.parse_args("v", "i", "f", "f")
 def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
     """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
@@ -182,6 +299,17 @@ ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
 }
 
 
+NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
+    "aten::hardtanh": hardtanh,
+    "aten::relu6": relu6,
+    "aten::softshrink": softshrink,
+    "aten::hardshrink": hardshrink,
+    "aten::clamp": clamp,
+    "aten::clamp_min": clamp_min,
+    "aten::clamp_max": clamp_max,
+}
+
+
 def register() -> None:
     """Register the symbolics above (once per process)."""
     with _lock:
@@ -190,6 +318,11 @@ def register() -> None:
         register_op: Any = torch.onnx.register_custom_op_symbolic  # type: ignore[attr-defined]
         register_op("aten::diff", diff, 9)
         register_op("aten::cumsum", cumsum, 11)
+        for name, symbolic in NAN_AND_BOUNDS.items():
+            # The exporter picks the newest registration at or below the target opset, and
+            # its own hardtanh has opset-11 and later versions: register at every opset.
+            for opset in range(9, _NEWEST_OPSET + 1):
+                register_op(name, symbolic, opset)
         if aten.install():  # ops run by torch inside the graph need the bridge's executor
             for name, (symbolic, opset) in ATEN_SYMBOLICS.items():
                 register_op(name, symbolic, opset)

@@ -109,6 +109,73 @@ def test_custom_backward_is_used_not_the_traced_one() -> None:
     assert ortfx.stats(wrapped).exports == 1
 
 
+_INNER = ortfx.ORTModule(nn.Linear(4, 4), options=STRICT)
+_SIDE = nn.Linear(4, 4)
+
+
+class CallsAnORTModule(torch.autograd.Function):
+    """A forward that calls an ORTModule (the inner model), with its own backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _INNER(x) * 2.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2.0
+
+
+class ClosesOverAParameter(torch.autograd.Function):
+    """A forward that uses a parameter it is not given (eager: no gradient reaches it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _SIDE(x) + x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def test_forward_calling_an_ortmodule_runs_it_in_ort() -> None:
+    """Export traced the inner model's parameters as constants of the Function's body and
+    failed ("Cannot insert a Tensor that requires grad as a constant"). Now the outer graph runs
+    the Function as a PythonOp, and the inner model runs in its own ORT session each call."""
+    before = ortfx.stats(_INNER)
+    wrapped = train_both(Around(CallsAnORTModule.apply), steps=3)
+    assert ortfx.stats(wrapped).exports == 1
+    inner = ortfx.stats(_INNER)
+    assert inner.calls - before.calls == 6  # 3 steps, in ortfx and in the eager reference
+    assert inner.fallback_calls == 0 and inner.exports == 1
+    assert all(p.grad is None for p in _INNER.parameters())  # forward runs without grad
+
+
+def test_forward_closing_over_a_parameter() -> None:
+    """The class behind the case above: any tensor that requires grad, used in a forward
+    without being an input, made the export fail."""
+    wrapped = train_both(Around(ClosesOverAParameter.apply), steps=2)
+    assert ortfx.stats(wrapped).exports == 1
+    assert all(p.grad is None for p in _SIDE.parameters())
+
+
+def test_a_users_profiler_keeps_running_through_an_export() -> None:
+    """The export's profile hook chains to the one the user had set and puts it back."""
+    seen: list[str] = []
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profiler)
+    try:
+        wrapped = ortfx.ORTModule(Around(ClosesOverAParameter.apply), options=STRICT)
+        wrapped(torch.randn(2, 4))
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert "forward" in seen and ortfx.stats(wrapped).exports == 1
+
+
 def test_non_tensor_arguments_keep_their_python_types() -> None:
     seen: list[tuple[type, ...]] = []
 

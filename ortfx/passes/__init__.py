@@ -603,6 +603,53 @@ def feeds_after_readers(model: onnx.ModelProto, function: str) -> bool:
     return changed
 
 
+def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
+    values = [*graph.value_info, *graph.input, *graph.output]
+    return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+
+
+def relu_grad_passes_nan(model: onnx.ModelProto) -> bool:
+    """In a gradient model: each ``ReluGrad(dY, X)`` passes ``dY`` where ``X`` is NaN.
+
+    ORT's ``ReluGrad`` keeps ``dY`` where ``X > 0``, torch's ``threshold_backward`` blocks it
+    where ``relu(X) <= 0``; the two differ only at NaN, where torch passes the gradient (a row
+    with a NaN input got a zero input gradient in ORT, a finite one in torch). Torch's rule is
+    ``Where(X <= 0, 0, dY)`` when the gradient's dtype is known (two elementwise passes, as
+    cheap as ``ReluGrad``), else ``ReluGrad`` with ``dY`` put back where ``IsNaN(X)``.
+    """
+    h = onnx.helper
+    types = _elem_types(model.graph)
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "ReluGrad" or node.domain != "com.microsoft":
+            nodes.append(node)
+            continue
+        tag = f"{node.name or f'ReluGrad_{i}'}_nan"
+        grad, x, out = node.input[0], node.input[1], node.output[0]
+        dtype = types.get(out) or types.get(grad) or types.get(x)
+        if dtype:
+            zero = h.make_tensor(f"{tag}_zero_value", dtype, [], [0])
+            nodes += [
+                h.make_node("Constant", [], [f"{tag}_zero"], name=f"{tag}_zero", value=zero),
+                h.make_node("LessOrEqual", [x, f"{tag}_zero"], [f"{tag}_off"], name=f"{tag}_off"),
+                h.make_node("Where", [f"{tag}_off", f"{tag}_zero", grad], [out], name=tag),
+            ]
+        else:
+            del node.output[:]
+            node.output.append(f"{tag}_blocked")
+            nodes += [
+                node,
+                h.make_node("IsNaN", [x], [f"{tag}_mask"], name=f"{tag}_mask"),
+                h.make_node("Where", [f"{tag}_mask", grad, f"{tag}_blocked"], [out], name=tag),
+            ]
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
 def with_dynamic_scalars(paths: frozenset[str]) -> Pass:
     """Record which scalar leaves the graph reads as tensors (``Options.dynamic_scalars``)."""
 

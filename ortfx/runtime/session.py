@@ -488,12 +488,20 @@ def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
     )
 
 
-def _feeds_after_readers(model: bytes) -> bytes:
-    """Memory-efficient gradients: see :func:`ortfx.passes.feeds_after_readers`."""
+def _gradient_passes(model: bytes, *, fed_params: bool) -> bytes:
+    """Edits of ORT's gradient model: torch's NaN semantics for ``ReluGrad``
+    (:func:`ortfx.passes.relu_grad_passes_nan`) and, for memory-efficient gradients,
+    :func:`ortfx.passes.feeds_after_readers`. The model is parsed only if one applies."""
     from ortfx import passes
 
+    relu = b"ReluGrad" in model
+    if not (relu or fed_params):
+        return model
     proto = onnx.load_model_from_string(model)
-    if not passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME):
+    changed = relu and passes.relu_grad_passes_nan(proto)
+    if fed_params:
+        changed = passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME) or changed
+    if not changed:
         return model
     edited: bytes = proto.SerializeToString()
     return edited
@@ -542,8 +550,7 @@ def open_training(
             raise _build_failed(info.model, again) from again
     gi = builder.get_graph_info()
     gradient_model: bytes = builder.get_gradient_model()
-    if info.fed_params:
-        gradient_model = _feeds_after_readers(gradient_model)
+    gradient_model = _gradient_passes(gradient_model, fed_params=bool(info.fed_params))
     gradient_build_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
