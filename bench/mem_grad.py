@@ -1,6 +1,7 @@
 """Memory-efficient gradients and optimizer-in-backward: peak step memory and step time.
 
-    python -m bench.mem_grad            # the full run (about 25 minutes on 2 shared cores)
+    python -m bench.mem_grad            # the full run (about 15 minutes on 2 shared cores)
+    python -m bench.mem_grad --pairs 20 # step-time ratios of PAIRS, trained side by side
     python -m bench.mem_grad --quick    # a few-second smoke run, in this process, into --out-dir
 
 Configurations (``CONFIGS``): eager PyTorch and ortfx, each with a plain AdamW step after
@@ -28,7 +29,10 @@ arriving one. ``peak_grad_mb`` is the largest such sum: what torch holds as ``.g
 Rounds rotate the configuration order. Memory repeats to within a few MB between rounds; step
 times do not (the machine is shared), so the tables give the *minimum* over rounds of each
 process's median step time, and ratios against eager are those minima's ratios; the per-round
-ratios (each against eager of the same round) are in the JSON lines.
+ratios (each against eager of the same round) are in the JSON lines. Separate processes cannot
+resolve a 5 % difference on a shared machine: ``--pairs N`` instead trains both configurations of
+each pair in ``PAIRS`` in one process, steps interleaved, and gives the median per-pair ratio
+(``mem_grad-paired-<date>.{jsonl,md}``).
 Results: ``bench/results/mem_grad-<date>.{jsonl,md}`` and the worker log ``mem_grad-<date>.log``.
 """
 
@@ -38,6 +42,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,14 +139,13 @@ def build(model_name: str, seed: int) -> tuple[Any, Any, Any, int, int]:
     return model, make_batch, loss_fn, warmup, steps
 
 
-def measure(model_name: str, config: str, seed: int, steps: int = 0) -> dict[str, Any]:
+def trainer(model_name: str, config: str, seed: int) -> tuple[Any, list[Any], Any, int, int]:
+    """``(step(i) -> loss, trainable parameters, module called, warm-up steps, measured steps)``."""
     import torch
 
     backend, mem, oib = CONFIGS[config]
-    torch.set_num_threads(1)
     torch.manual_seed(seed)
-    model, make_batch, loss_fn, warmup, default_steps = build(model_name, seed)
-    steps = steps or default_steps
+    model, make_batch, loss_fn, warmup, steps = build(model_name, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     wrapped: Any = model
     if backend == "ortfx":
@@ -156,7 +160,6 @@ def measure(model_name: str, config: str, seed: int, steps: int = 0) -> dict[str
     optimizer = None if oib else torch.optim.AdamW(params, lr=LR, foreach=False)
     if oib:
         _optimizer_in_backward(params)
-    rss_after_build = _rss_mb()
 
     def step(i: int) -> float:
         args, kwargs = make_batch(i)
@@ -168,6 +171,18 @@ def measure(model_name: str, config: str, seed: int, steps: int = 0) -> dict[str
         value = float(loss.detach())
         del loss
         return value
+
+    return step, params, wrapped, warmup, steps
+
+
+def measure(model_name: str, config: str, seed: int, steps: int = 0) -> dict[str, Any]:
+    import torch
+
+    backend, mem, oib = CONFIGS[config]
+    torch.set_num_threads(1)
+    step, params, wrapped, warmup, default_steps = trainer(model_name, config, seed)
+    steps = steps or default_steps
+    rss_after_build = _rss_mb()
 
     losses: list[float] = []
     times: list[float] = []
@@ -215,6 +230,38 @@ def measure(model_name: str, config: str, seed: int, steps: int = 0) -> dict[str
     return result
 
 
+def paired(model_name: str, a: str, b: str, seed: int, pairs: int) -> dict[str, Any]:
+    """Step times of ``a`` and ``b`` trained side by side in one process, steps interleaved
+    (a, b then b, a): load from other processes hits both alike. ``ratio``: the median of the
+    per-pair ratios b / a."""
+    import torch
+
+    torch.set_num_threads(1)
+    step_a, _, _, warmup, _ = trainer(model_name, a, seed)
+    step_b, _, _, _, _ = trainer(model_name, b, seed)
+    for i in range(warmup):
+        step_a(i)
+        step_b(i)
+    times: dict[str, list[float]] = {a: [], b: []}
+    for i in range(warmup, warmup + pairs):
+        order = [(a, step_a), (b, step_b)]
+        for name, step in order if i % 2 else order[::-1]:
+            t0 = time.perf_counter()
+            step(i)
+            times[name].append(time.perf_counter() - t0)
+    ratios = [tb / ta for ta, tb in zip(times[a], times[b], strict=True)]
+    q1, _, q3 = statistics.quantiles(ratios)
+    return {
+        "model": model_name,
+        "a": a,
+        "b": b,
+        "pairs": pairs,
+        "step_s": {k: common.median(v) for k, v in times.items()},
+        "ratio": common.median(ratios),
+        "ratio_q1_q3": [q1, q3],
+    }
+
+
 def failed(model: str, config: str, error: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "config": config, "ok": False, "error": error, **extra}
 
@@ -222,7 +269,11 @@ def failed(model: str, config: str, error: str, **extra: Any) -> dict[str, Any]:
 def worker(ns: argparse.Namespace) -> None:
     common.quiet()
     try:
-        result = {**measure(ns.model, ns.config, ns.seed, ns.steps), "ok": True}
+        if ns.paired_with:
+            record = paired(ns.model, ns.config, ns.paired_with, ns.seed, ns.pairs)
+        else:
+            record = measure(ns.model, ns.config, ns.seed, ns.steps)
+        result = {**record, "ok": True}
     except BaseException as e:  # a failing configuration is a result
         import traceback
 
@@ -236,7 +287,9 @@ def worker(ns: argparse.Namespace) -> None:
 # ---- parent ---------------------------------------------------------------------------------
 
 
-def run_one(model: str, config: str, ns: argparse.Namespace, log: Path) -> dict[str, Any]:
+def run_one(
+    model: str, config: str, ns: argparse.Namespace, log: Path, paired_with: str = ""
+) -> dict[str, Any]:
     if ns.quick:  # in this process: no RSS numbers worth keeping, only the records' shape
         try:
             return {**measure(model, config, ns.seed, ns.steps), "ok": True}
@@ -249,10 +302,11 @@ def run_one(model: str, config: str, ns: argparse.Namespace, log: Path) -> dict[
     cmd = [
         sys.executable, "-m", "bench.mem_grad", "--worker", "--model", model, "--config", config,
         "--steps", str(ns.steps), "--seed", str(ns.seed), "--out", out,
+        "--pairs", str(ns.pairs), "--paired-with", paired_with,
     ]  # fmt: skip
     try:
         with log.open("a") as logf:
-            logf.write(f"\n==== {model} {config} ====\n")
+            logf.write(f"\n==== {model} {config} {paired_with} ====\n")
             logf.flush()
             proc = subprocess.run(
                 cmd, env=env, cwd=common.ROOT, stdout=logf, stderr=logf, timeout=ns.timeout
@@ -403,6 +457,49 @@ def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str,
     return "\n".join(lines) + "\n"
 
 
+PAIRS = [("ortfx", "ortfx+mem"), ("ortfx", "ortfx+mem+oib")]
+
+
+def parent_paired(ns: argparse.Namespace, models: list[str]) -> Path:
+    """Step-time ratios of ``PAIRS`` from side-by-side training in one process per pair."""
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = common.RESULTS / f"mem_grad-paired-{ns.tag or _dt.date.today().strftime('%Y%m%d')}"
+    log = stem.with_suffix(".log")
+    log.write_text("")
+    mach = common.machine()
+    lines = [
+        f"# Memory-efficient gradients: paired step times ({mach['date'][:10]})",
+        "",
+        f"Machine: {common.describe(mach)}",
+        "",
+        f"Command: `{ns.command}`",
+        "",
+        "Both configurations train side by side in one process (1 thread, ORT arena off), "
+        f"steps interleaved a,b / b,a, {ns.pairs} pairs after the warm-up; ratio: median of the "
+        "per-pair ratios b / a, with the quartiles.",
+        "",
+        "| model | a | b | step a s | step b s | b / a | quartiles |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    with stem.with_suffix(".jsonl").open("w") as f:
+        f.write(json.dumps({"machine": mach, "command": ns.command}) + "\n")
+        for model in models:
+            for a, b in PAIRS:
+                r = run_one(model, a, ns, log, paired_with=b)
+                f.write(json.dumps(r) + "\n")
+                if not r["ok"]:
+                    lines.append(f"| {model} | {a} | {b} | failed: {r['error'][:150]} ||||")
+                    continue
+                q1, q3 = r["ratio_q1_q3"]
+                lines.append(
+                    f"| {model} | {a} | {b} | {r['step_s'][a]:.3f} | {r['step_s'][b]:.3f} | "
+                    f"**{r['ratio']:.3f}** | {q1:.3f}-{q3:.3f} |"
+                )
+                print(lines[-1], flush=True)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return stem.with_suffix(".jsonl")
+
+
 def parent(ns: argparse.Namespace) -> Path:
     if ns.quick:
         models, ns.rounds = ["quick"], 1
@@ -415,6 +512,8 @@ def parent(ns: argparse.Namespace) -> Path:
     for c in configs:
         if c not in CONFIGS:
             raise SystemExit(f"unknown config {c!r}; choose from all, {', '.join(CONFIGS)}")
+    if ns.pairs and not ns.quick:
+        return parent_paired(ns, models)
     out_dir = Path(ns.out_dir) if ns.out_dir else common.RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"mem_grad-{ns.tag or _dt.date.today().strftime('%Y%m%d')}"
@@ -484,7 +583,14 @@ def main(argv: list[str] | None = None) -> Path | None:
         action="store_true",
         help="smoke run: a tiny MLP, 1 round, every configuration in this process",
     )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="instead: step-time ratios of PAIRS, trained side by side, over this many pairs",
+    )
     # worker-only
+    p.add_argument("--paired-with", default="", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
