@@ -73,13 +73,18 @@ def cpu_model() -> str:
 def git_commit() -> str:
     """The checked-out commit, read from .git without running git."""
     try:
-        head = (ROOT / ".git" / "HEAD").read_text().strip()
+        git = ROOT / ".git"
+        common_dir = git
+        if git.is_file():  # a worktree: HEAD in its own git dir, refs in the common one
+            git = Path(git.read_text().split("gitdir:", 1)[1].strip())
+            common_dir = (git / (git / "commondir").read_text().strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
         if head.startswith("ref: "):
             ref = head[5:]
-            path = ROOT / ".git" / ref
+            path = common_dir / ref
             if path.exists():
                 return path.read_text().strip()[:12]
-            packed = ROOT / ".git" / "packed-refs"
+            packed = common_dir / "packed-refs"
             for line in packed.read_text().splitlines():
                 if line.endswith(ref):
                     return line.split()[0][:12]

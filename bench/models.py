@@ -56,15 +56,15 @@ class MLP(nn.Module):
         return F.cross_entropy(x, target)
 
 
-def mlp(seed: int = 0, batch: int = 256) -> Built:
+def mlp(seed: int = 0, batch: int = 256, sizes: tuple[int, ...] = (784, 1024, 1024, 10)) -> Built:
     torch.manual_seed(seed)
-    model = MLP()
+    model = MLP(sizes)
 
     def make_batch(step: int) -> Batch:
         g = _gen(seed, step)
         return (
-            torch.randn(batch, 784, generator=g),
-            torch.randint(0, 10, (batch,), generator=g),
+            torch.randn(batch, sizes[0], generator=g),
+            torch.randint(0, sizes[-1], (batch,), generator=g),
         ), {}
 
     return model, make_batch, _identity
