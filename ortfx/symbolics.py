@@ -16,6 +16,9 @@ symbolic registry:
   gradient passes the gradient at the bounds and blocks it at NaN, torch's ``hardtanh_backward``
   does the reverse (``ReLU6`` at exactly 0 got gradient 1 instead of 0);
 - ``aten::softshrink``/``aten::hardshrink`` keep NaN as NaN (the exporter's forms return 0);
+- ``aten::floor_divide`` floors (the exporter truncates), ``aten::div`` with a rounding mode
+  keeps inf and NaN, float ``aten::remainder`` comes from ``fmod``, ``aten::__rshift__`` of
+  signed integers shifts arithmetically, ``aten::atan2`` has torch's quadrants and infinities;
 - ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
   gradients at inf, at ties and at NaN (see :func:`_bounded`);
 - the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
@@ -157,6 +160,12 @@ _ONNX_FLOATS: Final[dict[torch.dtype, int]] = {
     torch.float64: 11,
     torch.bfloat16: 16,
 }
+_ONNX_INTS: Final[dict[torch.dtype, int]] = {
+    torch.int8: 3,
+    torch.int16: 5,
+    torch.int32: 6,
+    torch.int64: 7,
+}
 
 
 def _above(g: Any, x: Any, low: Any, nan: Any) -> Any:
@@ -218,6 +227,108 @@ def clamp_min(g: Any, x: Any, low: Any) -> Any:
 def clamp_max(g: Any, x: Any, high: Any) -> Any:
     """``clamp_max(x, high)``, see :func:`_bounded`."""
     return _bounded(g, x, None, high, lambda: opset11.clamp_max(g, x, high))
+
+
+def _rounding_mode(value: Any) -> str | None:
+    return None if _is_none(value) else str(helper._parse_arg(value, "s"))
+
+
+def _float_dtype(x: Any) -> torch.dtype | None:
+    dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
+    return dtype if dtype in _ONNX_FLOATS else None
+
+
+def _rounded_quotient(g: Any, x: Any, other: Any, dtype: torch.dtype, mode: str) -> Any:
+    """``floor`` or ``trunc`` of ``x / other`` for floats. (A zero result may lose its sign:
+    ORT's ``Where`` and ``Ceil`` do not keep -0.0, see docs/index.md.)"""
+    zero = _constant(g, 0, dtype)
+    quotient = g.op("Div", x, g.op("Cast", other, to_i=_ONNX_FLOATS[dtype]))
+    if mode == "floor":
+        return g.op("Floor", quotient)
+    negative = g.op("Less", quotient, zero)
+    return g.op("Where", negative, g.op("Ceil", quotient), g.op("Floor", quotient))
+
+
+def floor_divide(g: Any, x: Any, other: Any) -> Any:
+    """``x // other``: floor division, as torch computes it since 1.13 (the exporter still
+    writes the old truncating one: ``-7 // 2`` gave -3, torch says -4)."""
+    dtype = _float_dtype(x)
+    if dtype is None:
+        return opset9.div(g, x, other, "floor")
+    return _rounded_quotient(g, x, other, dtype, "floor")
+
+
+def div(g: Any, x: Any, other: Any, *args: Any) -> Any:
+    """``div(x, other, rounding_mode=...)`` of floats through :func:`_rounded_quotient`: the
+    exporter's ``trunc`` casts the quotient through int64 (inf became -9.2e18, NaN and
+    quotients beyond 2**63 wrapped). Everything else: the exporter's ``div``."""
+    mode = _rounding_mode(args[0]) if args else None
+    dtype = _float_dtype(x)
+    if mode not in ("floor", "trunc") or dtype is None:
+        return opset9.div(g, x, other, *args)
+    return _rounded_quotient(g, x, other, dtype, mode)
+
+
+def remainder(g: Any, x: Any, other: Any) -> Any:
+    """``x % other`` of floats from ``fmod`` (ORT's ``Mod(fmod=1)``), moved to the divisor's
+    sign as torch does; the exporter's ``x - floor(x / other) * other`` lost all precision
+    when the quotient is large (``1e30 % 1e-20`` gave -inf)."""
+    dtype = _float_dtype(x)
+    if dtype is None:
+        return opset9.remainder(g, x, other)
+    zero = _constant(g, 0, dtype)
+    other = g.op("Cast", other, to_i=_ONNX_FLOATS[dtype])
+    rest = g.op("Mod", x, other, fmod_i=1)
+    other_side = g.op("Xor", g.op("Less", rest, zero), g.op("Less", other, zero))
+    fix = g.op("And", g.op("Not", g.op("Equal", rest, zero)), other_side)
+    return g.op("Where", fix, g.op("Add", rest, other), rest)
+
+
+def rshift(g: Any, x: Any, other: Any) -> Any:
+    """``x >> other`` of signed integers: an arithmetic shift, floor division by
+    ``2**other`` (the exporter's ``Div`` truncates: ``-7 >> 1`` gave -3, torch says -4)."""
+    dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
+    if dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+        stock: Any = getattr(opset11, "__rshift_")  # a name mypy cannot see
+        return stock(g, x, other)
+    exponent = g.op("Cast", other, to_i=_ONNX_FLOATS[torch.float32])
+    power = g.op("Pow", _constant(g, 2.0, torch.float32), exponent)
+    return opset9.div(g, x, g.op("Cast", power, to_i=_ONNX_INTS[dtype]), "floor")
+
+
+def _signbit(g: Any, v: Any, zero: Any) -> Any:
+    # v < 0, or v is -0.0 (1 / -0.0 is -inf); false for NaN.
+    negative_zero = g.op("And", g.op("Equal", v, zero), g.op("Less", g.op("Reciprocal", v), zero))
+    return g.op("Or", g.op("Less", v, zero), negative_zero)
+
+
+def atan2(g: Any, y: Any, x: Any) -> Any:
+    """``atan2(y, x)`` with torch's (IEEE) quadrants, signed zeros and infinities.
+
+    The exporter's form gave -pi for ``atan2(0, -1)`` (torch: pi), NaN for ``atan2(0, 0)``
+    (torch: 0), NaN for ``atan2(inf, inf)`` (torch: pi/4) and ignored ``-0.0``.
+    """
+    dtype = _dtype_of(y)
+    if dtype not in _ONNX_FLOATS:
+        return opset9.atan2(g, y, x)
+    x = g.op("Cast", x, to_i=_ONNX_FLOATS[dtype])
+    zero, pi = _constant(g, 0.0, dtype), _constant(g, math.pi, dtype)
+    y_negative, x_negative = _signbit(g, y, zero), _signbit(g, x, zero)
+    base = g.op("Atan", g.op("Div", y, x))
+    # x negative (or -0.0): the quadrant is the other side, toward y's sign.
+    shifted = g.op("Where", y_negative, g.op("Sub", base, pi), g.op("Add", base, pi))
+    result = g.op("Where", x_negative, shifted, base)
+    # Both zero: 0/0 is NaN; torch gives y (a signed zero) or ±pi when x is negative.
+    both_zero = g.op("And", g.op("Equal", y, zero), g.op("Equal", x, zero))
+    toward_y = g.op("Where", y_negative, g.op("Neg", pi), pi)
+    result = g.op("Where", both_zero, g.op("Where", x_negative, toward_y, y), result)
+    # Both infinite: inf/inf is NaN; torch gives ±pi/4 or ±3pi/4.
+    both_inf = g.op("And", g.op("IsInf", y), g.op("IsInf", x))
+    corner = g.op(
+        "Where", x_negative, _constant(g, 3 * math.pi / 4, dtype), _constant(g, math.pi / 4, dtype)
+    )
+    corner = g.op("Where", y_negative, g.op("Neg", corner), corner)
+    return g.op("Where", both_inf, corner, result)
 
 
 def _keep_nan(g: Any, x: Any, y: Any) -> Any:
@@ -307,6 +418,11 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
     "aten::clamp": clamp,
     "aten::clamp_min": clamp_min,
     "aten::clamp_max": clamp_max,
+    "aten::floor_divide": floor_divide,
+    "aten::div": div,
+    "aten::remainder": remainder,
+    "aten::__rshift_": rshift,
+    "aten::atan2": atan2,
 }
 
 

@@ -165,6 +165,97 @@ def tanh_as_sigmoid(model: onnx.ModelProto) -> bool:
     return changed
 
 
+ZERO_DIVISION_GUARD = "ortfx_zero_division_guard"
+_INTEGER_TYPES = frozenset(
+    {
+        onnx.TensorProto.INT8,
+        onnx.TensorProto.INT16,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.INT64,
+        onnx.TensorProto.UINT8,
+        onnx.TensorProto.UINT16,
+        onnx.TensorProto.UINT32,
+        onnx.TensorProto.UINT64,
+    }
+)
+
+
+def _nonzero_constant(model: onnx.ModelProto, name: str) -> bool:
+    """Whether ``name`` is a constant with no zero in it."""
+    for init in model.graph.initializer:
+        if init.name == name:
+            return bool(onnx.numpy_helper.to_array(init).all())
+    for node in model.graph.node:
+        if _standard(node, "Constant") and node.output[0] == name:
+            value = next((a for a in node.attribute if a.name == "value"), None)
+            return value is not None and bool(onnx.numpy_helper.to_array(value.t).all())
+    return False
+
+
+@graph_pass
+def guard_integer_division(model: onnx.ModelProto) -> bool:
+    """Integer ``Div``/``Mod`` by a divisor that may be zero fail cleanly instead of crashing.
+
+    ORT's integer kernels divide by zero in C, which kills the process (SIGFPE); torch raises
+    ``RuntimeError: ZeroDivisionError``. Before each such node a guard reshapes a one-element
+    tensor to ``[1 + any(divisor == 0)]``, which ORT rejects with an error naming the guard
+    (the runtime turns it into torch's exception); its all-zero sum is added to the divisor so
+    the guard runs first. Divisors that are constants without zeros get no guard.
+    """
+    candidates = [
+        n
+        for n in model.graph.node
+        if (_standard(n, "Div") or _standard(n, "Mod")) and len(n.input) == 2
+    ]
+    candidates = [n for n in candidates if not _nonzero_constant(model, n.input[1])]
+    if not candidates:
+        return False
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+    }
+    for init in model.graph.initializer:
+        types.setdefault(init.name, init.data_type)
+    guarded = {id(n) for n in candidates if types.get(n.input[1]) in _INTEGER_TYPES}
+    if not guarded:
+        return False
+    h = onnx.helper
+    i64 = onnx.TensorProto.INT64
+    nodes: list[onnx.NodeProto] = []
+    for k, node in enumerate(model.graph.node):
+        if id(node) not in guarded:
+            nodes.append(node)
+            continue
+        tag = f"{ZERO_DIVISION_GUARD}_{k}"
+        divisor, kind = node.input[1], types[node.input[1]]
+        nodes += [
+            h.make_node(
+                "Constant", [], [f"{tag}_zero"], value=h.make_tensor(f"{tag}_z", kind, [], [0])
+            ),
+            h.make_node(
+                "Constant", [], [f"{tag}_one"], value=h.make_tensor(f"{tag}_o", i64, [1], [1])
+            ),
+            h.make_node(
+                "Constant", [], [f"{tag}_cell"], value=h.make_tensor(f"{tag}_c", i64, [1], [0])
+            ),
+            h.make_node("Equal", [divisor, f"{tag}_zero"], [f"{tag}_is_zero"]),
+            h.make_node("Cast", [f"{tag}_is_zero"], [f"{tag}_zeros"], to=i64),
+            h.make_node("ReduceMax", [f"{tag}_zeros"], [f"{tag}_any"], keepdims=1),
+            h.make_node("Reshape", [f"{tag}_any", f"{tag}_one"], [f"{tag}_any1"]),
+            h.make_node("Add", [f"{tag}_one", f"{tag}_any1"], [f"{tag}_shape"]),
+            h.make_node("Reshape", [f"{tag}_cell", f"{tag}_shape"], [f"{tag}_checked"], name=tag),
+            h.make_node("ReduceSum", [f"{tag}_checked"], [f"{tag}_sum"], keepdims=0),
+            h.make_node("Cast", [f"{tag}_sum"], [f"{tag}_nothing"], to=kind),
+            h.make_node("Add", [divisor, f"{tag}_nothing"], [f"{tag}_divisor"]),
+        ]
+        node.input[1] = f"{tag}_divisor"
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return True
+
+
 def _split_cross_entropy(node: onnx.NodeProto, tag: str) -> list[onnx.NodeProto]:
     """LogSoftmax + GatherElements + a masked reduction, equal to SoftmaxCrossEntropyLoss."""
     h, f32, i64 = onnx.helper, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
@@ -791,6 +882,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
     """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
         add_pythonop_ctx,
+        guard_integer_division,
         tanh_as_sigmoid,
         add_layernorm_stats,
         split_cross_entropy,

@@ -265,6 +265,10 @@ def _run_failed(what: str, inputs: Sequence[torch.Tensor], error: Exception) -> 
     original = pythonop.take_error()
     if original is not None:
         return original
+    from ortfx.passes import ZERO_DIVISION_GUARD
+
+    if ZERO_DIVISION_GUARD in str(error):
+        return RuntimeError("ZeroDivisionError")  # torch's exception for integer division
     first = _first_line(error)
     shapes = ", ".join(str(list(t.shape)) for t in inputs)
     return OrtfxRuntimeError(
