@@ -345,3 +345,52 @@ def test_strict_tracing_refuses_a_graph_that_would_stop_checking() -> None:
     # A module the tracer bakes nothing into is unaffected.
     plain = ortfx.ORTModule(nn.Linear(4, 4), options=strict)
     assert max_diff(plain(torch.ones(1, 4)), plain.module(torch.ones(1, 4))) <= 1e-6
+
+
+class NoHits(nn.Module):
+    """Returns the entries above a threshold: legitimately empty for some inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h[h > 100.0]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_an_empty_result_pytorch_rejects_raises_its_error(mode: str) -> None:
+    """ORT pools a 2x2 input with a 4x4 kernel into an empty tensor; PyTorch raises. ortfx
+    raises PyTorch's error, and the next good call works."""
+    pool = nn.Sequential(nn.Conv2d(1, 2, 1), nn.MaxPool2d(4))
+    wrapped = _strict(copy.deepcopy(pool))
+    getattr(wrapped, mode)()
+    getattr(pool, mode)()
+    good = torch.randn(1, 1, 8, 8)
+    assert max_diff(wrapped(good), pool(good)) <= 1e-6
+    with pytest.raises(RuntimeError, match=r"Output size is too small"):
+        pool(torch.randn(1, 1, 2, 2))
+    with pytest.raises(
+        RuntimeError, match=r"Calculated output size: \(2x0x0\)\. Output size is too small"
+    ):
+        wrapped(torch.randn(1, 1, 2, 2))
+    assert max_diff(wrapped(good), pool(good)) <= 1e-6
+
+
+def test_a_legitimately_empty_result_is_checked_once_per_sizes() -> None:
+    """An empty output PyTorch gives too is returned as is (shape and dtype of PyTorch's), and
+    the check runs eagerly once per input sizes, not on every call."""
+    torch.manual_seed(0)
+    model = NoHits()
+    wrapped = _strict(copy.deepcopy(model))
+    eager_runs: list[int] = []
+    wrapped.module.register_forward_hook(lambda *_: eager_runs.append(1))
+    x = torch.randn(3, 4)
+    for _ in range(4):
+        out = wrapped(x)
+        assert out.shape == model(x).shape == (0,) and out.dtype == torch.float32
+    wrapped(torch.randn(5, 4))
+    # One export (a traced forward), then one eager check for each of the two input sizes.
+    assert len(eager_runs) == 3
+    assert ortfx.stats(wrapped).fallback_calls == 0

@@ -119,6 +119,8 @@ class Compiled:
     sized: tuple[tuple[tuple[tuple[int, ...], ...], TrainingRunner], ...] = ()
     # Why ORT could not build this eval-mode graph's gradient (its calls with grad run forward)
     forward_only: str = ""
+    # Input sizes whose empty outputs PyTorch was found to give too (see _check_empty_outputs)
+    empty_checked: frozenset[tuple[tuple[int, ...], ...]] = frozenset()
 
 
 @attrs.frozen
@@ -624,6 +626,8 @@ def execute(
         return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
     if not built.ran:
         _check_output_dtypes(info, outputs)
+    if any(o.numel() == 0 for o in outputs):
+        built = _check_empty_outputs(built, module, leaves, call)
     if info.updates:
         _copy_back(info, outputs, leaves, tracked)
     if built is not compiled or not built.ran:
@@ -646,6 +650,22 @@ def execute(
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _check_empty_outputs(
+    built: Compiled, module: torch.nn.Module, leaves: list[Any], call: Call
+) -> Compiled:
+    """ORT returned an empty output from non-empty inputs (user inputs are never empty here).
+
+    ORT computes some sizes PyTorch rejects as empty results (``MaxPool2d(4)`` of a 2x2 input):
+    if PyTorch raises for this call, raise its exception. Checked once per input sizes, so a
+    model whose outputs are legitimately empty (no detections) pays one eager forward.
+    """
+    sizes = tuple(tuple(leaves[i].shape) for i in call.key.schema.tensor_indices())
+    if sizes in built.empty_checked:
+        return built
+    raise_if_pytorch_raises(module, leaves, call.key.schema)
+    return attrs.evolve(built, empty_checked=built.empty_checked | {sizes})
 
 
 class NoGradientGraph(torch.autograd.Function):
