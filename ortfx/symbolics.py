@@ -19,6 +19,7 @@ symbolic registry:
 - ``aten::floor_divide`` floors (the exporter truncates), ``aten::div`` with a rounding mode
   keeps inf and NaN, float ``aten::remainder`` comes from ``fmod``, ``aten::__rshift__`` of
   signed integers shifts arithmetically, ``aten::atan2`` has torch's quadrants and infinities;
+- ``aten::embedding`` rejects negative indices as PyTorch does (``Gather`` wraps them);
 - ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
   gradients at inf, at ties and at NaN (see :func:`_bounded`);
 - the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
@@ -331,6 +332,35 @@ def atan2(g: Any, y: Any, x: Any) -> Any:
     return g.op("Where", both_inf, corner, result)
 
 
+def _nonnegative(g: Any, indices: Any) -> Any:
+    """``indices`` (plus zero), with a check that fails the run if one is negative.
+
+    The check reshapes a one-element tensor to ``[1 + any(indices < 0)]``, which ORT rejects;
+    the shell then finds that the call raises in PyTorch and raises PyTorch's ``IndexError``.
+    """
+    dtype = indices.type().dtype() if indices.type().kind() == "TensorType" else torch.int64
+    kind = _ONNX_INTS.get(dtype, _ONNX_INTS[torch.int64])
+    lowest = g.op("ReduceMin", indices, keepdims_i=0)
+    negative = g.op(
+        "Cast", g.op("Less", lowest, _constant(g, 0, dtype)), to_i=_ONNX_INTS[torch.int64]
+    )
+    one = _constant(g, [1], torch.int64)
+    shape = g.op("Add", one, g.op("Reshape", negative, one))
+    checked = g.op("Reshape", _constant(g, [0], torch.int64), shape)
+    nothing = g.op("Cast", g.op("ReduceSum", checked, keepdims_i=0), to_i=kind)
+    return g.op("Add", indices, nothing)
+
+
+@helper.parse_args("v", "v", "i", "b", "v")
+def embedding(
+    g: Any, weight: Any, indices: Any, padding_idx: int, scale_grad_by_freq: bool, sparse: Any
+) -> Any:
+    """``F.embedding`` with PyTorch's rejection of negative indices: ONNX ``Gather`` wraps
+    them around (``embedding(tensor([-1]))`` silently returned the last row)."""
+    checked = _nonnegative(g, indices)
+    return opset9.embedding(g, weight, checked, padding_idx, scale_grad_by_freq, sparse)
+
+
 def _keep_nan(g: Any, x: Any, y: Any) -> Any:
     return g.op("Where", g.op("IsNaN", x), x, y)
 
@@ -423,6 +453,7 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
     "aten::remainder": remainder,
     "aten::__rshift_": rshift,
     "aten::atan2": atan2,
+    "aten::embedding": embedding,
 }
 
 

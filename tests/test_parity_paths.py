@@ -394,3 +394,26 @@ def test_a_legitimately_empty_result_is_checked_once_per_sizes() -> None:
     # One export (a traced forward), then one eager check for each of the two input sizes.
     assert len(eager_runs) == 3
     assert ortfx.stats(wrapped).fallback_calls == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_negative_embedding_index_raises_like_pytorch(mode: str, dtype: torch.dtype) -> None:
+    """ONNX Gather wraps -1 around to the last row; PyTorch raises IndexError. Good calls
+    before and after give PyTorch's rows (padding_idx kept out of the gradient)."""
+    embedding = nn.Embedding(10, 3, padding_idx=0)
+    wrapped = _strict(copy.deepcopy(embedding))
+    getattr(wrapped, mode)()
+    good = torch.tensor([[1, 0, 9]], dtype=dtype)
+    assert torch.equal(wrapped(good), embedding(good))
+    with pytest.raises(IndexError, match="index out of range in self"):
+        embedding(torch.tensor([[1, -1]], dtype=dtype))
+    with pytest.raises(IndexError, match="index out of range in self"):
+        wrapped(torch.tensor([[1, -1]], dtype=dtype))
+    out = wrapped(good)
+    assert torch.equal(out, embedding(good))
+    if mode == "train":
+        out.sum().backward()
+        assert wrapped.module.weight.grad is not None
+        assert torch.equal(wrapped.module.weight.grad[0], torch.zeros(3))
+        assert torch.equal(wrapped.module.weight.grad[9], torch.ones(3))
