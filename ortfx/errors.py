@@ -199,6 +199,16 @@ BAKED_DYNAMIC_SCALARS = (
     "ortfx treats %s as static from now on; remove %s from Options.dynamic_scalars"
 )
 
+SIZES_PINNED = (
+    "the forward returns Python numbers its own code computed from tensors (int(x.shape[0]), "
+    "len(x), .item()): the graph holds their export-time values, so it serves input sizes %s "
+    "only, and a call with other sizes exports again. Return such values as tensors to keep "
+    "one graph for all sizes"
+)
+PINNED_SIZES_CHANGED = (
+    "the graph returns Python numbers computed for input sizes {before}, and this call has "
+    "sizes {now}"
+)
 TRACER_BAKED_BRANCHES = (
     "the tracer turned %d tensor(s) into Python booleans while exporting, first: %s. A branch "
     "on tensor values (an `if`, an `assert`, a check that raises) is decided once, at export: "

@@ -147,6 +147,8 @@ class Exported:
     tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
     # Graph names of the custom autograd.Functions exported as PythonOp nodes.
     custom_functions: tuple[str, ...] = ()
+    # The user's own code turned a tensor (often a size) into a Python number while traced.
+    numbers_from_tensors: bool = False
 
 
 # The keywords torch.utils.checkpoint.checkpoint takes for itself; the rest go to the function.
@@ -444,6 +446,7 @@ class _FlatCall(torch.nn.Module):
         self.output_schema: ModelSchema | None = None
         self.output_leaves: list[Any] = []
         self.tracer_warnings: tuple[str, ...] = ()
+        self.numbers_from_tensors = False
         self.updates: tuple[Update, ...] = ()
         self.returned_inputs: tuple[tuple[int, int], ...] = ()
         self.raised: BaseException | None = None
@@ -642,6 +645,11 @@ def _export_torchscript(
             # instead of inlining its forward, whose traced gradient would replace its backward.
             autograd_inlining=False,
         )
+    flat.numbers_from_tensors = any(
+        _number_from_tensor(w.filename, str(w.message))
+        for w in caught
+        if issubclass(w.category, tracer_warning)
+    )
     flat.tracer_warnings = tuple(
         dict.fromkeys(
             _baked_kind(w.filename, w.lineno, str(w.message))
@@ -660,6 +668,15 @@ def _export_torchscript(
 _SIZE_WORDS = ("shape", "size(", "dim(", "len(", "numel", "ndim")
 _LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 BRANCH = "branch: "
+
+
+def _number_from_tensor(filename: str, message: str) -> bool:
+    """A tensor (``int(x.shape[0])``, ``len(x)``, ``x.sum().item()``) became a Python number in
+    the user's own code."""
+    converted = "Converting a tensor to a Python" in message and "boolean" not in message
+    if not (converted or "Using len to get tensor shape" in message):
+        return False
+    return not any(lib in filename for lib in _LIBRARIES)
 
 
 def _baked_kind(filename: str, lineno: int, message: str) -> str:
@@ -868,6 +885,7 @@ def export(
         calls[0],
         flat.tracer_warnings,
         tuple(sorted(functions)),
+        flat.numbers_from_tensors,
     )
 
 

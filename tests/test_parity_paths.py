@@ -417,3 +417,48 @@ def test_negative_embedding_index_raises_like_pytorch(mode: str, dtype: torch.dt
         assert wrapped.module.weight.grad is not None
         assert torch.equal(wrapped.module.weight.grad[0], torch.zeros(3))
         assert torch.equal(wrapped.module.weight.grad[9], torch.ones(3))
+
+
+class ReturnsSizes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int, float]:
+        return self.lin(x), int(x.shape[0]), len(x), float(x.shape[1]) / 2
+
+
+class ReturnsConstants(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, str]:
+        return self.lin(x), 7, "tag"
+
+
+def test_python_numbers_computed_from_sizes_follow_each_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``int(x.shape[0])`` returned the export call's value on every later call. Now the graph
+    is pinned to its export's sizes, a call with other sizes exports again (WARNING says why),
+    and every output equals PyTorch's."""
+    torch.manual_seed(0)
+    model = ReturnsSizes()
+    wrapped = _strict(copy.deepcopy(model))
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for batch in (3, 5, 5, 2, 3):
+            x = torch.randn(batch, 4)
+            out, expected = wrapped(x), model(x)
+            assert out[1:] == expected[1:] == (batch, batch, 2.0)
+            assert max_diff(out[0], expected[0]) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 4  # 3, 5, 2, 3: a new export at each change
+    assert "serves input sizes [[3, 4]] only" in caplog.text
+
+
+def test_constant_python_outputs_keep_one_graph_for_all_sizes() -> None:
+    """Constants (no tensor turned into a Python number) do not pin the sizes."""
+    wrapped = _strict(ReturnsConstants())
+    for batch in (3, 5, 2):
+        assert wrapped(torch.randn(batch, 4))[1:] == (7, "tag")
+    assert ortfx.stats(wrapped).exports == 1

@@ -227,6 +227,10 @@ def tracer_baked(log: WrapperLog, found: tuple[str, ...], *, dynamic: bool) -> N
         )
 
 
+def sizes_pinned(log: WrapperLog, sizes: tuple[tuple[int, ...], ...]) -> None:
+    log.log(logging.WARNING, errors.SIZES_PINNED, list(map(list, sizes)))
+
+
 def empty_batch(log: WrapperLog, why: str) -> None:
     log.log(logging.INFO, "%s", why)
 

@@ -32,6 +32,7 @@ from ortfx.errors import (
     NO_GRADIENT_GRAPH,
     NO_TRAINING_GRAPH,
     OUTPUT_DTYPE_CHANGED,
+    PINNED_SIZES_CHANGED,
     STATIC_SIZES_SESSION,
     STRICT_TRACING_REFUSED,
     TOO_MANY_RECOVERIES,
@@ -121,6 +122,9 @@ class Compiled:
     forward_only: str = ""
     # Input sizes whose empty outputs PyTorch was found to give too (see _check_empty_outputs)
     empty_checked: frozenset[tuple[tuple[int, ...], ...]] = frozenset()
+    # The export call's input sizes, when the graph returns Python numbers the user's code
+    # computed from tensors (``int(x.shape[0])``): they hold only for these sizes.
+    pinned_sizes: tuple[tuple[int, ...], ...] | None = None
 
 
 @attrs.frozen
@@ -497,26 +501,53 @@ def realize(
     raises."""
     assert not isinstance(decision, Reuse)
     timings = Timings()
+    pinned: tuple[tuple[int, ...], ...] | None = None
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
-        info, timings = _export(shell, module, call, leaves)
+        info, timings, numbers = _export(shell, module, call, leaves)
+        if numbers and _returns_numbers(info):
+            pinned = _tensor_sizes(leaves, call)
+            logs.sizes_pinned(shell.log, pinned)
     else:
         entry = shell.state.lookup(call.key)
         assert entry is not None
-        info = entry.payload.info
+        info, pinned = entry.payload.info, entry.payload.pinned_sizes
     state = shell.state
     first = state.stats.exports == 0 and isinstance(decision, Reexport)
     line = str(
         Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons)
     )
     logs.transition(shell.log, line, timings.render() if timings.export else "")
-    return Compiled(info, timings, tracked.fingerprint())
+    return Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned)
+
+
+def _returns_numbers(info: PostExportProcessedModelInfo) -> bool:
+    kinds = {spec.kind for spec in info.output_schema.leaves}
+    return bool(kinds & {"int", "float", "bool"})
+
+
+def _tensor_sizes(leaves: Sequence[Any], call: Call) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(leaves[i].shape) for i in call.key.schema.tensor_indices())
+
+
+def _sizes_changed(
+    shell: Shell, compiled: Compiled, leaves: Sequence[Any], call: Call
+) -> Retry | None:
+    """A graph pinned to its export's sizes, called with others: export again for these."""
+    pinned = compiled.pinned_sizes
+    if pinned is None:
+        return None
+    sizes = _tensor_sizes(leaves, call)
+    if sizes == pinned:
+        return None
+    cause = PINNED_SIZES_CHANGED.format(before=list(map(list, pinned)), now=list(map(list, sizes)))
+    return Retry(invalidate(shell, cause), cause)
 
 
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
-) -> tuple[PostExportProcessedModelInfo, Timings]:
+) -> tuple[PostExportProcessedModelInfo, Timings, bool]:
     source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
     log = shell.log
     # Muted: a forward that reassigns a buffer while traced is not a module change.
@@ -551,7 +582,7 @@ def _export(
     mode = "training" if call.key.training else "inference"
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
     logs.save_onnx(prefix, "post_processed", mode, info.model)
-    return info, Timings(export=exported.seconds)
+    return info, Timings(export=exported.seconds), exported.numbers_from_tensors
 
 
 def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:
@@ -577,6 +608,9 @@ def execute(
     new_state: ExportState[Compiled],
 ) -> Outcome:
     """Run ORT for a decided call; the shell to commit carries ``new_state``."""
+    repinned = _sizes_changed(shell, compiled, leaves, call)
+    if repinned is not None:
+        return repinned
     info = compiled.info
     if info.updates:
         _check_updated_inputs(info, leaves, call)
