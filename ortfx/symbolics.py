@@ -356,9 +356,20 @@ def embedding(
     g: Any, weight: Any, indices: Any, padding_idx: int, scale_grad_by_freq: bool, sparse: Any
 ) -> Any:
     """``F.embedding`` with PyTorch's rejection of negative indices: ONNX ``Gather`` wraps
-    them around (``embedding(tensor([-1]))`` silently returned the last row)."""
+    them around (``embedding(tensor([-1]))`` silently returned the last row). With a
+    ``padding_idx`` the node is ``ortfx::PaddedGather``, which
+    :func:`ortfx.passes.embedding_padding` turns into a gather whose padding row gets no
+    gradient (functional calls included, not only ``nn.Embedding``)."""
     checked = _nonnegative(g, indices)
-    return opset9.embedding(g, weight, checked, padding_idx, scale_grad_by_freq, sparse)
+    if padding_idx < 0:
+        return opset9.embedding(g, weight, checked, padding_idx, scale_grad_by_freq, sparse)
+    if scale_grad_by_freq:  # the exporter's own refusal, with its message
+        return opset9.embedding(g, weight, checked, padding_idx, scale_grad_by_freq, sparse)
+    node = g.op("ortfx::PaddedGather", weight, checked, padding_idx_i=padding_idx)
+    rank = indices.type().dim() if indices.type().kind() == "TensorType" else None
+    if rank is not None:
+        node.setType(weight.type().with_sizes([None] * (rank + 1)))
+    return node
 
 
 def _keep_nan(g: Any, x: Any, y: Any) -> Any:

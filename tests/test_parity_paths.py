@@ -462,3 +462,50 @@ def test_constant_python_outputs_keep_one_graph_for_all_sizes() -> None:
     for batch in (3, 5, 2):
         assert wrapped(torch.randn(batch, 4))[1:] == (7, "tag")
     assert ortfx.stats(wrapped).exports == 1
+
+
+class FunctionalPadding(nn.Module):
+    """F.embedding(padding_idx=...) on a parameter, and the same row table through nn.Embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+        self.second = nn.Embedding(10, 3, padding_idx=-1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.table, padding_idx=2) * 2 + self.second(ids)
+
+
+class ComputedWeightPadding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.table * 2, padding_idx=0)
+
+
+def test_functional_embedding_padding_row_gets_no_gradient() -> None:
+    """``F.embedding(..., padding_idx=2)`` called functionally: the padding row's gradient was
+    nonzero in ortfx (ONNX Gather forgets padding_idx), 0 in PyTorch. Outputs and every
+    gradient equal PyTorch's (exact), in training and eval."""
+    torch.manual_seed(0)
+    model = FunctionalPadding()
+    wrapped = _strict(copy.deepcopy(model))
+    ids = torch.tensor([[2, 3, 2, 9], [9, 9, 0, 2]])
+    expected, out = model(ids), wrapped(ids)
+    assert torch.equal(out, expected)
+    expected.sum().backward()
+    out.sum().backward()
+    for p, q in zip(model.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+    assert torch.equal(wrapped.module.table.grad[2], torch.zeros(3))
+    wrapped.eval()
+    model.eval()
+    assert torch.equal(wrapped(ids), model(ids))
+
+
+def test_padding_on_a_computed_weight_is_refused_by_name() -> None:
+    wrapped = _strict(ComputedWeightPadding())
+    with pytest.raises(ortfx.OrtfxExportError, match=r"padding_idx=0 reads a weight computed"):
+        wrapped(torch.tensor([[0, 1]]))

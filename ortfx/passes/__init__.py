@@ -19,6 +19,7 @@ from ortfx.errors import (
     UNSUPPORTED_OP,
     VALUE_DEPENDENT_CONTROL_FLOW,
     WRONG_AVERAGE_POOL_3D,
+    OrtfxExportError,
     OrtfxUnsupportedOpError,
 )
 from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
@@ -415,34 +416,86 @@ def add_pythonop_ctx(model: onnx.ModelProto) -> bool:
     return changed
 
 
+PADDED_GATHER = "PaddedGather"  # ortfx.symbolics marks F.embedding(padding_idx=...) with it
+PADDED_GATHER_DOMAIN = "ortfx"
+PADDING_ON_COMPUTED_WEIGHT = (
+    "F.embedding with padding_idx={index} reads a weight computed in the forward ({weight}), not a "
+    "parameter: ortfx keeps a padding row out of the gradient only for parameters. Embed from "
+    "a parameter (nn.Embedding), or let ortfx fall back to PyTorch."
+)
+
+
+def _padded_gather(
+    h: Any, weight: str, frozen: str, ids: str, out: str, index: int, tag: str
+) -> list[onnx.NodeProto]:
+    """``out = weight[ids]``, taken from ``frozen`` (same values, no gradient) where
+    ``ids == index``."""
+    i64 = onnx.TensorProto.INT64
+    return [
+        h.make_node("Gather", [weight, ids], [f"{tag}_trained"], name=f"{tag}_g"),
+        h.make_node("Gather", [frozen, ids], [f"{tag}_kept"], name=f"{tag}_k"),
+        h.make_node(
+            "Constant",
+            [],
+            [f"{tag}_idx"],
+            name=f"{tag}_c",
+            value=h.make_tensor(f"{tag}_idx", i64, [], [index]),
+        ),
+        h.make_node("Cast", [ids], [f"{tag}_ids"], name=f"{tag}_cast", to=i64),
+        h.make_node("Equal", [f"{tag}_ids", f"{tag}_idx"], [f"{tag}_is_pad"], name=f"{tag}_eq"),
+        h.make_node(
+            "Constant",
+            [],
+            [f"{tag}_axes"],
+            name=f"{tag}_a",
+            value=h.make_tensor(f"{tag}_axes", i64, [1], [-1]),
+        ),
+        h.make_node(
+            "Unsqueeze", [f"{tag}_is_pad", f"{tag}_axes"], [f"{tag}_mask"], name=f"{tag}_u"
+        ),
+        h.make_node(
+            "Where", [f"{tag}_mask", f"{tag}_kept", f"{tag}_trained"], [out], name=f"{tag}_w"
+        ),
+    ]
+
+
 def embedding_padding(padding: Mapping[str, int]) -> Pass:
     """Keep PyTorch's ``padding_idx`` semantics: no gradient reaches an embedding's padding row.
 
     The exported ``Gather`` forgets ``padding_idx``. At padding positions the result is taken from
     a second, non-trainable feed of the same weight (an ``INTERNAL`` input), so the values are
-    identical and ORT's gradient skips exactly those positions. ``padding`` maps parameter names
-    to their ``padding_idx``.
+    identical and ORT's gradient skips exactly those positions. The embeddings are found two
+    ways: ``padding`` maps the parameter names of ``nn.Embedding`` modules to their
+    ``padding_idx`` (any exporter), and the TorchScript export marks every
+    ``F.embedding(..., padding_idx=...)``, functional calls included, as ``ortfx::PaddedGather``.
     """
 
     def run(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
-        weights = {
-            spec.name: spec
-            for spec in info.inputs
-            if spec.kind is InputKind.PARAMETER and spec.source in padding
-        }
-        if not weights:
-            return info
+        params = {spec.name: spec for spec in info.inputs if spec.kind is InputKind.PARAMETER}
+        named = {n: spec for n, spec in params.items() if spec.source in padding}
         model = onnx.load_model_from_string(info.model)
+        marked = [n for n in model.graph.node if n.op_type == PADDED_GATHER]
+        if not (named or marked):
+            return info
         values = {v.name: v for v in model.graph.input}
         added: list[InputSpec] = []
         nodes: list[onnx.NodeProto] = []
         h = onnx.helper
         for node in model.graph.node:
-            spec = weights.get(node.input[0]) if _standard(node, "Gather") else None
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-            if spec is None or axis != 0:
-                nodes.append(node)
-                continue
+            if node.op_type == PADDED_GATHER and node.domain == PADDED_GATHER_DOMAIN:
+                index = next(a.i for a in node.attribute if a.name == "padding_idx")
+                spec = params.get(node.input[0])
+                if spec is None:
+                    raise OrtfxExportError(
+                        PADDING_ON_COMPUTED_WEIGHT.format(index=index, weight=node.input[0])
+                    )
+            else:
+                spec = named.get(node.input[0]) if _standard(node, "Gather") else None
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                if spec is None or axis != 0:
+                    nodes.append(node)
+                    continue
+                index = padding[str(spec.source)]
             frozen = f"{spec.name}__no_grad"
             if frozen not in values:
                 value = onnx.ValueInfoProto()
@@ -451,38 +504,8 @@ def embedding_padding(padding: Mapping[str, int]) -> Pass:
                 values[frozen] = value
                 model.graph.input.append(value)
                 added.append(InputSpec(frozen, InputKind.INTERNAL, spec.source))
-            out, ids, tag = node.output[0], node.input[1], f"ortfx_pad_{len(nodes)}"
-            trained = h.make_node("Gather", [spec.name, ids], [f"{tag}_trained"], name=f"{tag}_g")
-            kept = h.make_node("Gather", [frozen, ids], [f"{tag}_kept"], name=f"{tag}_k")
-            index = h.make_node(
-                "Constant",
-                [],
-                [f"{tag}_idx"],
-                name=f"{tag}_c",
-                value=h.make_tensor(
-                    f"{tag}_idx", onnx.TensorProto.INT64, [], [padding[str(spec.source)]]
-                ),
-            )
-            cast = h.make_node(
-                "Cast", [ids], [f"{tag}_ids"], name=f"{tag}_cast", to=onnx.TensorProto.INT64
-            )
-            equal = h.make_node(
-                "Equal", [f"{tag}_ids", f"{tag}_idx"], [f"{tag}_is_pad"], name=f"{tag}_eq"
-            )
-            axes = h.make_node(
-                "Constant",
-                [],
-                [f"{tag}_axes"],
-                name=f"{tag}_a",
-                value=h.make_tensor(f"{tag}_axes", onnx.TensorProto.INT64, [1], [-1]),
-            )
-            unsqueeze = h.make_node(
-                "Unsqueeze", [f"{tag}_is_pad", f"{tag}_axes"], [f"{tag}_mask"], name=f"{tag}_u"
-            )
-            where = h.make_node(
-                "Where", [f"{tag}_mask", f"{tag}_kept", f"{tag}_trained"], [out], name=f"{tag}_w"
-            )
-            nodes.extend([trained, kept, index, cast, equal, axes, unsqueeze, where])
+            tag = f"ortfx_pad_{len(nodes)}"
+            nodes += _padded_gather(h, spec.name, frozen, node.input[1], node.output[0], index, tag)
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         return attrs.evolve(info, model=model.SerializeToString(), inputs=(*info.inputs, *added))
