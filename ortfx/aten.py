@@ -74,7 +74,31 @@ def _ctc_loss_backward(grad: torch.Tensor, log_probs: torch.Tensor, *rest: Any) 
     return grad_log_probs
 
 
+def _index_add(
+    source: torch.Tensor, shape: torch.Tensor, index: torch.Tensor, dim: int, alpha: float
+) -> torch.Tensor:
+    """``zeros(shape).index_add(dim, index, source, alpha=alpha)``; the graph adds the base
+    tensor itself (an ``Add``), so ``source`` is the only differentiable input (ORT's ATen
+    kernel fails on a gradient node with an unrequested output)."""
+    zeros = torch.zeros(tuple(shape.tolist()), dtype=source.dtype, device=source.device)
+    return zeros.index_add(dim, index, source, alpha=alpha)
+
+
+def _index_add_backward(
+    grad: torch.Tensor,
+    source: torch.Tensor,
+    shape: torch.Tensor,
+    index: torch.Tensor,
+    dim: int,
+    alpha: float,
+) -> torch.Tensor:
+    """Gradient of :func:`_index_add` for ``source``: the gradient's rows at ``index``, times
+    ``alpha``."""
+    return grad.index_select(dim, index).reshape(source.shape) * alpha
+
+
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
+_INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
 
 # (operator, overload name) -> how to run it
 ROUTED: Final[dict[tuple[str, str], Routed]] = {
@@ -86,6 +110,9 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # CTC loss (wav2vec2 and other CTC heads)
     ("ctc_loss", ""): Routed(_ctc_loss, _CTC),
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
+    # index_add with repeated indices: ONNX ScatterND writes, torch adds
+    ("index_add", ""): Routed(_index_add, _INDEX_ADD),
+    ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),
 }
 
 # The gradient of each differentiable routed op, as ORT's gradient registry takes it: nodes of
@@ -108,6 +135,15 @@ GRADIENTS: Final[dict[str, list[tuple[str, str, list[str], list[str], dict[str, 
             ["GO(0)", *(f"I({i})" for i in range(7))],
             ["GI(0)"],
             {"operator": "ctc_loss_backward"},
+        )
+    ],
+    "index_add": [
+        (
+            "ATen",
+            "org.pytorch.aten",
+            ["GO(0)", *(f"I({i})" for i in range(5))],
+            ["GI(0)"],
+            {"operator": "index_add_backward"},
         )
     ],
 }

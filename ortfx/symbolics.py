@@ -388,6 +388,25 @@ def hardshrink(g: Any, x: Any, lambd: float) -> Any:
     return _keep_nan(g, x, opset9.hardshrink(g, x, lambd))
 
 
+def index_add(g: Any, x: Any, dim: Any, index: Any, source: Any, alpha: Any = None) -> Any:
+    """``x.index_add(dim, index, source, alpha=...)`` as an ATen node: the exporter's
+    ``ScatterND`` writes instead of adding where ``index`` repeats (a documented exporter
+    limitation that gave silently wrong sums)."""
+    dim_value = int(helper._parse_arg(dim, "i"))
+    scale = 1.0 if alpha is None or _is_none(alpha) else float(helper._parse_arg(alpha, "f"))
+    rank = x.type().dim() if x.type().kind() == "TensorType" else None
+    # ortfx's own node (ortfx.aten._index_add): the additions into zeros of x's shape, then
+    # x added in the graph, so x's gradient is ORT's own.
+    args = [
+        source,
+        g.op("Shape", x),
+        index,
+        _constant(g, dim_value, torch.int64),
+        _constant(g, scale, torch.float32),
+    ]
+    return g.op("Add", x, _aten_node(g, "index_add", args, x, rank if rank is not None else 1))
+
+
 @helper.parse_args("v", "i", "f", "f")
 def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
     """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
@@ -448,6 +467,7 @@ ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
     "aten::histc": (histc, 9),
     "aten::_grouped_mm": (grouped_mm, 9),
     "aten::ctc_loss": (ctc_loss, 9),
+    "aten::index_add": (index_add, 9),
 }
 
 
