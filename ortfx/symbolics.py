@@ -20,6 +20,8 @@ symbolic registry:
   keeps inf and NaN, float ``aten::remainder`` comes from ``fmod``, ``aten::__rshift__`` of
   signed integers shifts arithmetically, ``aten::atan2`` has torch's quadrants and infinities;
 - ``aten::embedding`` rejects negative indices as PyTorch does (``Gather`` wraps them);
+- ``aten::cdist`` has gradient 0 at coincident points and real values for odd p (the
+  exporter's forms: NaN);
 - ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
   gradients at inf, at ties and at NaN (see :func:`_bounded`);
 - the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
@@ -372,6 +374,37 @@ def embedding(
     return node
 
 
+def cdist(g: Any, x1: Any, x2: Any, p: Any, compute_mode: Any = None) -> Any:
+    """``torch.cdist`` for finite p > 0 from the differences themselves, with a root whose
+    gradient is 0 where a distance is 0, as torch's ``_cdist_backward`` has it. The exporter's
+    forms gave NaN gradients for coincident points (``cdist(x, x)``'s diagonal) and NaN values
+    for odd p (it raised signed differences to the power p). Costs a ``[..., P, R, D]``
+    intermediate, as the exporter's own form for small inputs does."""
+    order = float(helper._parse_arg(p, "f"))
+    dtype = _float_dtype(x1)
+    rank = x1.type().dim() if x1.type().kind() == "TensorType" else None
+    if dtype is None or rank is None or not 0.0 < order < math.inf:
+        return opset9.cdist(g, x1, x2, p, compute_mode)
+    rows = helper._unsqueeze_helper(g, x1, [rank - 1])
+    columns = helper._unsqueeze_helper(g, x2, [rank - 2])
+    diff = g.op("Sub", rows, columns)
+    if order == 1.0:
+        return helper._reducesum_helper(g, g.op("Abs", diff), axes_i=[-1], keepdims_i=0)
+    zero, one = _constant(g, 0, dtype), _constant(g, 1, dtype)
+    if order == 2.0:
+        powers = g.op("Mul", diff, diff)
+    else:
+        powers = g.op("Pow", g.op("Abs", diff), _constant(g, order, dtype))
+    total = helper._reducesum_helper(g, powers, axes_i=[-1], keepdims_i=0)
+    positive = g.op("Greater", total, zero)
+    safe = g.op("Where", positive, total, one)
+    if order == 2.0:
+        root = g.op("Sqrt", safe)
+    else:
+        root = g.op("Pow", safe, _constant(g, 1.0 / order, dtype))
+    return g.op("Where", positive, root, zero)
+
+
 def _keep_nan(g: Any, x: Any, y: Any) -> Any:
     return g.op("Where", g.op("IsNaN", x), x, y)
 
@@ -485,6 +518,7 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
     "aten::__rshift_": rshift,
     "aten::atan2": atan2,
     "aten::embedding": embedding,
+    "aten::cdist": cdist,
 }
 
 
