@@ -20,6 +20,7 @@ symbolic registry:
   keeps inf and NaN, float ``aten::remainder`` comes from ``fmod``, ``aten::__rshift__`` of
   signed integers shifts arithmetically, ``aten::atan2`` has torch's quadrants and infinities;
 - ``aten::embedding`` rejects negative indices as PyTorch does (``Gather`` wraps them);
+- ``aten::flip`` as a ``Gather`` (the exporter's negative-step ``Slice`` cannot be trained);
 - ``aten::cdist`` has gradient 0 at coincident points and real values for odd p (the
   exporter's forms: NaN);
 - ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
@@ -405,6 +406,22 @@ def cdist(g: Any, x1: Any, x2: Any, p: Any, compute_mode: Any = None) -> Any:
     return g.op("Where", positive, root, zero)
 
 
+@helper.parse_args("v", "is")
+def flip(g: Any, x: Any, dims: Sequence[int]) -> Any:
+    """``x.flip(dims)`` as a ``Gather`` of reversed indices per dim. The exporter's ``Slice``
+    with step -1 and end -(2**63 - 1) trains in no ORT 1.19 session: its ``SliceGrad`` fails
+    ("narrowing_error") in the backward."""
+    i64 = torch.int64
+    for dim in dims:
+        size = g.op("Gather", g.op("Shape", x), _constant(g, dim, i64), axis_i=0)
+        # size - 1 - [0, 1, ..., size - 1]: a descending Range was mis-optimized by ORT 1.19
+        # (an empty result with graph optimizations on).
+        ascending = g.op("Range", _constant(g, 0, i64), size, _constant(g, 1, i64))
+        last = g.op("Sub", size, _constant(g, 1, i64))
+        x = g.op("Gather", x, g.op("Sub", last, ascending), axis_i=dim)
+    return x
+
+
 def _keep_nan(g: Any, x: Any, y: Any) -> Any:
     return g.op("Where", g.op("IsNaN", x), x, y)
 
@@ -519,6 +536,7 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
     "aten::atan2": atan2,
     "aten::embedding": embedding,
     "aten::cdist": cdist,
+    "aten::flip": flip,
 }
 
 
