@@ -518,7 +518,7 @@ class Flips(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        return h.flip(0) * h + torch.lerp(h, h.flip(-1, 1), 0.3)
+        return h.flip(0) * h + torch.lerp(h, h.flip(0, -1), 0.3)
 
 
 def test_flip_trains() -> None:
