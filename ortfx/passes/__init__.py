@@ -728,7 +728,7 @@ def owned_gradients(model: onnx.ModelProto, function: str) -> frozenset[int]:
         and any(a.name == "func_name" and a.s.decode() == function for a in node.attribute)
     }
     producers = {o: node for node in graph.node for o in node.output}
-    readers: dict[str, int] = {}
+    readers: dict[str, int] = {o.name: 1 for o in graph.output}  # the caller reads outputs
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
