@@ -457,7 +457,28 @@ def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str,
     return "\n".join(lines) + "\n"
 
 
-PAIRS = [("ortfx", "ortfx+mem"), ("ortfx", "ortfx+mem+oib")]
+# (a, b): b's step time over a's. The last two separate the cost of memory-efficient gradients
+# from that of the optimizer-in-backward pattern itself (one optimizer per parameter).
+PAIRS = [
+    ("ortfx", "ortfx+mem"),
+    ("ortfx", "ortfx+mem+oib"),
+    ("ortfx+oib", "ortfx+mem+oib"),
+    ("eager", "eager+oib"),
+]
+
+
+def _chosen_pairs(spec: str) -> list[tuple[str, str]]:
+    if spec == "all":
+        return PAIRS
+    chosen = [tuple(item.split(":", 1)) for item in spec.split(",")]
+    for pair in chosen:
+        if pair not in PAIRS:
+            raise SystemExit(f"unknown pair {':'.join(pair)!r}; choose from all, {_pair_names()}")
+    return chosen  # type: ignore[return-value]
+
+
+def _pair_names() -> str:
+    return ", ".join(f"{a}:{b}" for a, b in PAIRS)
 
 
 def parent_paired(ns: argparse.Namespace, models: list[str]) -> Path:
@@ -484,7 +505,7 @@ def parent_paired(ns: argparse.Namespace, models: list[str]) -> Path:
     with stem.with_suffix(".jsonl").open("w") as f:
         f.write(json.dumps({"machine": mach, "command": ns.command}) + "\n")
         for model in models:
-            for a, b in PAIRS:
+            for a, b in _chosen_pairs(ns.pair_list):
                 r = run_one(model, a, ns, log, paired_with=b)
                 f.write(json.dumps(r) + "\n")
                 if not r["ok"]:
@@ -588,6 +609,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         type=int,
         default=0,
         help="instead: step-time ratios of PAIRS, trained side by side, over this many pairs",
+    )
+    p.add_argument(
+        "--pair-list", default="all", help=f"with --pairs: comma-separated or all ({_pair_names()})"
     )
     # worker-only
     p.add_argument("--paired-with", default="", help=argparse.SUPPRESS)

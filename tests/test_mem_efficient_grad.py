@@ -15,11 +15,13 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
+import onnx
 import pytest
 import torch
 from torch import nn
 
 import ortfx
+from ortfx import passes
 from ortfx.errors import OrtfxRuntimeError
 from ortfx.options import LogLevel
 from tests import models
@@ -101,6 +103,71 @@ def test_each_grad_accumulated_once_hooks_fire_inside_ort_backward() -> None:
     # ORT hands the last layer's gradients over before the first layer's.
     first_step = [n for n, _ in post[:4]]
     assert first_step.index("fc2.weight") < first_step.index("fc1.weight")
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_gradient_buffers_kept_without_copy_and_never_overwritten(level: int) -> None:
+    """Torch keeps the buffer ORT computed a weight's gradient in as ``.grad`` (no copy), and
+    that ``.grad`` still holds, after the whole backward and the next step's, exactly what the
+    hook saw: ORT never reuses a buffer torch kept. Bias gradients ORT hands over as views of
+    other values are copied instead."""
+    torch.manual_seed(0)
+    eager, mem = _pair(
+        models.TinyGPT(),
+        ortfx.Options(enable_mem_efficient_grad_management=True, memory_opt_level=level),
+    )
+    arrived: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, p in mem.named_parameters():
+        p.register_hook(lambda g, name=name: arrived.__setitem__(name, (g.data_ptr(), g.clone())))
+    for seed in range(2):
+        ids, labels = _gpt_batch(seed)
+        for m in (eager, mem):
+            m.zero_grad(set_to_none=True)
+            m(ids, labels).backward()
+        kept = set()
+        for name, p in mem.named_parameters():
+            ptr, seen = arrived[name]
+            assert p.grad is not None and torch.equal(p.grad, seen), name
+            if p.grad.data_ptr() == ptr:
+                kept.add(name)
+        _assert_grads_equal(eager, mem, 2e-6)
+        weights = {n for n, p in mem.named_parameters() if n.endswith("weight") and p.dim() == 2}
+        assert weights <= kept, weights - kept
+
+
+def test_owned_gradients_only_for_buffers_of_their_own() -> None:
+    """The pass lets torch keep a gradient only if an allocating node made it and nothing but
+    its PythonOpGrad reads it."""
+    h = onnx.helper
+    fn = "f"
+
+    def feed(k: int) -> onnx.NodeProto:
+        return h.make_node(
+            "PythonOp", ["t"], [f"c{k}", f"p{k}"], domain="com.microsoft", func_name=fn,
+            input_int_scalars=[k],
+        )  # fmt: skip
+
+    def grad(k: int, ctx: str | None = None) -> onnx.NodeProto:
+        return h.make_node(
+            "PythonOpGrad", [ctx or f"c{k}", f"g{k}"], [f"t{k}"], domain="com.microsoft"
+        )
+
+    nodes = [
+        *(feed(k) for k in range(6)),
+        h.make_node("Gemm", ["a", "b"], ["g0"], transA=1),  # owned
+        h.make_node("MatMul", ["a", "b"], ["r"]),
+        h.make_node("Reshape", ["r", "s"], ["g1"]),  # a view of r
+        h.make_node("Gemm", ["a", "b", "c"], ["g2"]),  # may be written into c
+        h.make_node("ReduceSum", ["a", "ax"], ["g3"]),
+        h.make_node("Neg", ["g3"], ["other"]),  # g3 read twice
+        h.make_node("Add", ["a", "b"], ["g4"]),  # may be a's buffer
+        h.make_node("LayerNormalizationGrad", ["a", "b", "c"], ["dx", "g5"]),
+        h.make_node("PassThrough", ["c5", "dx"], ["c5b", "dxb"], domain="com.microsoft"),
+        *(grad(k) for k in range(5)),
+        grad(5, "c5b"),  # behind a barrier over its context: owned
+    ]
+    graph = h.make_graph(nodes, "g", [], [])
+    assert passes.owned_gradients(h.make_model(graph), fn) == frozenset({0, 5})
 
 
 def test_default_mode_hooks_fire_after_ort_backward() -> None:

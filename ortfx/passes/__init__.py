@@ -646,10 +646,12 @@ def feeds_after_readers(model: onnx.ModelProto, function: str) -> bool:
     every backward node that reads the parameter (directly or through layout nodes).
 
     Its gradient goes to torch there, and a hook may change the parameter in place (an
-    optimizer stepped in backward) while ORT still holds its buffer. Each such gradient gets a
-    ``com.microsoft::PassThrough`` (outputs alias inputs, no copy) over the gradient and one
-    output of each reader, so it is ready only when they have run. Readers that run in the
-    forward (ancestors of ORT's ``YieldOp``) need no wait.
+    optimizer stepped in backward) while ORT still holds its buffer. Each such gradient node
+    gets a ``com.microsoft::PassThrough`` (outputs alias inputs, no copy) over its context input
+    and one output of each reader, so it is ready only when they have run. The barrier passes
+    the context, not the gradient: an aliased gradient would not own its buffer, and torch could
+    not take it over (:func:`owned_gradients`). Readers that run in the forward (ancestors of
+    ORT's ``YieldOp``) need no wait.
     """
     graph = model.graph
     feeds = {
@@ -686,16 +688,15 @@ def feeds_after_readers(model: onnx.ModelProto, function: str) -> bool:
         waits = sorted(set(readers(param)))
         if grad_node is None or not waits:
             continue
-        grad = grad_node.input[1]
         tag = f"ortfx_after_readers_{param}"
         barrier = onnx.helper.make_node(
             "PassThrough",
-            [grad, *waits],
-            [f"{tag}_grad", *(f"{tag}_{k}" for k in range(len(waits)))],
+            [ctx, *waits],
+            [f"{tag}_ctx", *(f"{tag}_{k}" for k in range(len(waits)))],
             name=tag,
             domain="com.microsoft",
         )
-        grad_node.input[1] = f"{tag}_grad"
+        grad_node.input[0] = f"{tag}_ctx"
         extra.append((grad_node, barrier))
         changed = True
     if changed:
@@ -715,6 +716,63 @@ def feeds_after_readers(model: onnx.ModelProto, function: str) -> bool:
         del graph.node[:]
         graph.node.extend(nodes)
     return changed
+
+
+# ORT CPU kernels whose output is a buffer of its own (no Alias, MayInplace or strided-view
+# output declared), so that the OrtValue ORT hands to a PythonOpGrad owns that buffer.
+_ALLOCATING_OPS = frozenset(
+    {
+        "Gemm",
+        "MatMul",
+        "FusedMatMul",
+        "ReduceSum",
+        "LayerNormalizationGrad",
+        "SimplifiedLayerNormalizationGrad",
+        "GatherGrad",
+    }
+)
+
+
+def owned_gradients(model: onnx.ModelProto, function: str) -> frozenset[int]:
+    """In the graph an ORT session runs (after its own transformers): the indices of the
+    parameter-feeding PythonOps whose gradient reaches their PythonOpGrad in a buffer of its own
+    that nothing else reads, which torch may keep as ``.grad`` without a copy.
+
+    ORT makes the output of an aliasing or in-place node (``Reshape``, ``PassThrough``, ``Add``
+    ...) a view of another value's buffer that does not own it; that buffer goes back to ORT
+    when the other value dies, while torch would still hold ``.grad``. Only the outputs of
+    :data:`_ALLOCATING_OPS` with no ``C`` input (``Gemm`` may write into ``C``) qualify.
+    """
+    graph = model.graph
+    index = {
+        node.output[0]: next(a.ints[0] for a in node.attribute if a.name == "input_int_scalars")
+        for node in graph.node
+        if node.op_type == "PythonOp"
+        and any(a.name == "func_name" and a.s.decode() == function for a in node.attribute)
+    }
+    producers = {o: node for node in graph.node for o in node.output}
+    readers: dict[str, int] = {o.name: 1 for o in graph.output}  # the caller reads outputs
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    owned: set[int] = set()
+    for node in graph.node:
+        if node.op_type != "PythonOpGrad" or len(node.input) < 2:
+            continue
+        ctx = node.input[0]
+        while ctx not in index and ctx in producers and producers[ctx].op_type == "PassThrough":
+            barrier = producers[ctx]
+            ctx = barrier.input[list(barrier.output).index(ctx)]
+        made = producers.get(node.input[1])
+        if (
+            ctx in index
+            and made is not None
+            and made.op_type in _ALLOCATING_OPS
+            and not (made.op_type == "Gemm" and len(made.input) > 2 and made.input[2])
+            and readers[node.input[1]] == 1
+        ):
+            owned.add(index[ctx])
+    return frozenset(owned)
 
 
 def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:

@@ -19,6 +19,11 @@ not look into: they are no inputs of its node, so torch accumulates nothing for 
   holds its buffer: the gradient model is edited so that ORT has run every backward node that
   reads the parameter before that gradient node (:func:`ortfx.passes.feeds_after_readers`).
 * A parameter changed in place between the forward and its backward raises, as torch would.
+* Torch keeps ORT's gradient buffer as ``.grad`` instead of copying it when ORT's session gives
+  that gradient a buffer of its own (:func:`ortfx.passes.owned_gradients`): the gradient reaches
+  ``AccumulateGrad`` through a view of the parameter, so that only the engine holds it and
+  torch steals it. Otherwise (a gradient that is a view of another ORT value, e.g. a bias
+  gradient out of a ``Reshape``) torch copies it, as ORT may reuse that buffer.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class FeedParameter(torch.autograd.Function):
             raise RuntimeError(NOT_RUNNING.format(phase="forward"))
         param = params[index]
         ctx.param = param
+        ctx.index = index
         ctx.version = param._version
         return param.detach()
 
@@ -73,7 +79,14 @@ class FeedParameter(torch.autograd.Function):
                 )
             )
         # torch's engine (re-entered on this thread): AccumulateGrad with every hook, now.
-        torch.autograd.backward(param, grad)
+        if ctx.index in _LOCAL.owned:
+            # Through a fresh view node, the gradient AccumulateGrad gets is referenced by the
+            # engine only, and it keeps ORT's buffer (which ORT owns no more) without a copy.
+            with torch.enable_grad():
+                view = param.view_as(param)
+            torch.autograd.backward(view, grad)
+        else:
+            torch.autograd.backward(param, grad)
         # The trigger's gradient: ORT wants one; the bridge drops it.
         return torch.zeros((), dtype=torch.float32, device=grad.device), None
 
@@ -93,11 +106,15 @@ def feeding(params: Sequence[torch.Tensor]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def accumulating() -> Iterator[None]:
-    """ORT's backward runs: ``FeedParameter`` nodes hand their gradients to torch."""
-    before = getattr(_LOCAL, "accumulating", False)
-    _LOCAL.accumulating = True
+def accumulating(owned: frozenset[int] = frozenset()) -> Iterator[None]:
+    """ORT's backward runs: ``FeedParameter`` nodes hand their gradients to torch; torch keeps
+    the buffers of parameters ``owned`` (indices, :func:`ortfx.passes.owned_gradients`)."""
+    before: tuple[bool, frozenset[int]] = (
+        getattr(_LOCAL, "accumulating", False),
+        getattr(_LOCAL, "owned", frozenset()),
+    )
+    _LOCAL.accumulating, _LOCAL.owned = True, owned
     try:
         yield
     finally:
-        _LOCAL.accumulating = before
+        _LOCAL.accumulating, _LOCAL.owned = before

@@ -404,6 +404,8 @@ class TrainingRunner:
     # Memory-efficient gradients: where the trigger is among the graph inputs (the fed
     # parameters follow the graph inputs, see PostExportProcessedModelInfo.fed_params).
     trigger_slot: int | None = None
+    # ... and the fed parameters whose gradient buffer torch may keep (memgrad.accumulating).
+    owned_grads: frozenset[int] = frozenset()
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -460,7 +462,7 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        with _serialized(self.python_ops), memgrad.accumulating():
+        with _serialized(self.python_ops), memgrad.accumulating(self.owned_grads):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
@@ -561,15 +563,17 @@ def open_training(
     if save_prefix:
         with open(f"{save_prefix}_optimized_{mode}.onnx", "wb") as f:
             f.write(gradient_model)
-    session = _open(
-        gradient_model,
-        device,
-        options,
-        training=True,
-        deterministic=deterministic,
-        optimized_path=f"{save_prefix}_execution_model_{mode}.onnx" if save_prefix else None,
-        memory=memory,
-    )
+    with _executed_model(save_prefix, mode, bool(info.fed_params)) as executed:
+        session = _open(
+            gradient_model,
+            device,
+            options,
+            training=True,
+            deterministic=deterministic,
+            optimized_path=executed,
+            memory=memory,
+        )
+        owned = _owned_gradients(executed) if info.fed_params else frozenset()
     feeds = [*gi.user_input_names, *gi.initializer_names]
     ours = [i.name for i in info.inputs]
     if feeds != ours:
@@ -601,7 +605,32 @@ def open_training(
         trigger_slot=next(
             (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
         ),
+        owned_grads=owned,
     )
+
+
+@contextlib.contextmanager
+def _executed_model(save_prefix: str | None, mode: str, needed: bool) -> Any:
+    """Where the session saves the graph it runs: the debug file, or (memory-efficient
+    gradients read it) a temporary one, deleted after."""
+    if save_prefix:
+        yield f"{save_prefix}_execution_model_{mode}.onnx"
+        return
+    if not needed:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="ortfx-") as tmp:
+        yield os.path.join(tmp, "executed.onnx")
+
+
+def _owned_gradients(path: str | None) -> frozenset[int]:
+    """:func:`ortfx.passes.owned_gradients` over the graph the session runs (after ORT's own
+    transformers, which decide what aliases what); none if ORT saved no graph."""
+    from ortfx import passes
+
+    if path is None or not os.path.exists(path):
+        return frozenset()
+    return passes.owned_gradients(onnx.load(path, load_external_data=False), memgrad.FUNCTION_NAME)
 
 
 @attrs.frozen(eq=False)
