@@ -34,6 +34,7 @@ from ortfx import io
 from ortfx.errors import OrtfxInitError
 from ortfx.export import queue_after_backward
 from ortfx.options import LogLevel
+from ortfx.runtime import memgrad
 from ortfx.runtime.logs import WrapperLog
 
 ZERO3_NOT_CONFIGURED = (
@@ -81,6 +82,7 @@ class Settings:
     debug: bool = False
     stats_output_dir: str | None = None
     stats_overwrite: bool = False
+    layerwise: bool = False
 
 
 @attrs.frozen
@@ -105,7 +107,10 @@ _gatherers: weakref.WeakKeyDictionary[torch.nn.Module, _Gatherer] = weakref.Weak
 
 
 def configure_ort_compatible_zero_stage3(
-    debug: bool = False, stats_output_dir: str | None = None, stats_overwrite: bool = False
+    debug: bool = False,
+    stats_output_dir: str | None = None,
+    stats_overwrite: bool = False,
+    layerwise: bool = False,
 ) -> None:
     """Make DeepSpeed ZeRO stage 3 hook an ``ortfx.ORTModule`` as one unit. Call it before
     ``deepspeed.initialize(model=ortfx.ORTModule(model), config=...)``.
@@ -113,8 +118,13 @@ def configure_ort_compatible_zero_stage3(
     ``debug`` logs each gather and release (the ``ortfx`` logger, INFO). With
     ``stats_output_dir`` (and ``debug``) each rank also appends them as JSON lines to
     ``<stats_output_dir>/zero3_rank<rank>.jsonl``; ``stats_overwrite`` replaces an existing
-    file instead of raising. Calling it again replaces the settings; other modules keep
-    DeepSpeed's own hooks.
+    file instead of raising. Calling it again replaces the settings (for wrappers initialized
+    after it); other modules keep DeepSpeed's own hooks.
+
+    ``layerwise`` (phase 2) gathers each parameter inside the ORT graph right before the layer
+    that reads it and again in the backward, instead of the whole model around each step; it
+    turns on ``Options(enable_mem_efficient_grad_management=True, zero3_layerwise=True)`` for
+    the wrapper. See docs/zero3.md.
     """
     global _settings
     try:
@@ -130,7 +140,7 @@ def configure_ort_compatible_zero_stage3(
         _originals["register"] = DeepSpeedZeRoOffload._register_deepspeed_module
         DeepSpeedZeRoOffload.setup_zero_stage3_hooks = _setup_zero_stage3_hooks
         DeepSpeedZeRoOffload._register_deepspeed_module = _register_deepspeed_module
-    _settings = Settings(debug, stats_output_dir, stats_overwrite)
+    _settings = Settings(debug, stats_output_dir, stats_overwrite, layerwise)
 
 
 def stats(model: torch.nn.Module) -> Zero3Stats:
@@ -211,6 +221,12 @@ def _register_deepspeed_module(
     if gatherer is None:
         gatherer = _Gatherer(module, _settings or Settings())
         _gatherers[module] = gatherer
+    if gatherer.layerwise:
+        from ortfx.runtime.module import configure
+
+        configure(module, enable_mem_efficient_grad_management=True, zero3_layerwise=True)
+        for p in gatherer.params:
+            memgrad.fetch_through(p, gatherer)
     offload.forward_hooks.extend(gatherer.attach())
 
 
@@ -231,6 +247,9 @@ class _Gatherer:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.log = WrapperLog(LogLevel.INFO if settings.debug else LogLevel.WARNING)
         self.sink = _stats_sink(settings) if settings.debug else None
+        self.layerwise = settings.layerwise
+        # Phase 2: parameters a backward re-gather brought in, released after accumulation.
+        self.pending: dict[int, torch.Tensor] = {}
 
     def attach(self) -> list[torch.utils.hooks.RemovableHandle]:
         for handle in self.handles:
@@ -248,7 +267,18 @@ class _Gatherer:
         self.live += 1
         self.stats = attrs.evolve(self.stats, forwards=self.stats.forwards + 1, live=self.live)
         _plain_linear.enter()
-        self.gather()
+        if not self._layer_by_layer(module):
+            self.gather()
+
+    def _layer_by_layer(self, wrapper: torch.nn.Module) -> bool:
+        """Phase 2 for this forward: ORT's training graph (with its in-graph gathers) will
+        run. An export (the first call) traces the full weights, and an inference graph
+        reads them as inputs: those forwards gather everything, as phase 1 does."""
+        if not (self.layerwise and torch.is_grad_enabled()):
+            return False
+        from ortfx.runtime.module import stats as wrapper_stats
+
+        return wrapper_stats(wrapper).exports > 0 and any(p.requires_grad for p in self.params)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         try:
@@ -299,17 +329,71 @@ class _Gatherer:
 
         # Persistent parameters stay gathered, as DeepSpeed keeps them; parameters someone else
         # released meanwhile (engine.step partitions everything) need nothing.
+        if not self.held and not self.pending:
+            return  # nothing gathered since the last release (phase 2 releases per layer)
         drop = [
             p
-            for p in self.held
+            for p in (*self.held, *self.pending.values())
             if p.ds_status is ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)  # type: ignore[attr-defined]
         ]
         self.held = ()
+        self.pending = {}
         elements = sum(p.ds_numel for p in drop)  # type: ignore[attr-defined]
         if drop:
             drop[0].partition(param_list=drop)  # type: ignore[attr-defined]
         self.stats = attrs.evolve(self.stats, releases=self.stats.releases + 1, held_elements=0)
         self._note("release", len(drop), elements)
+
+    # ---- phase 2: memgrad.Fetcher, called from the graph's feed nodes ----
+
+    def fetch(self, param: torch.Tensor, *, backward: bool) -> torch.Tensor:
+        """The full value of ``param`` for one feed node. A forward feed hands ORT the only
+        reference (DeepSpeed's is released at once), so the value dies with ORT's last
+        forward reader; a backward re-gather stays gathered until its gradient is in."""
+        gathered = self._gather_one(param)
+        data = param.data
+        if gathered and not backward:
+            self._release_one(param)
+        elif gathered:
+            self.pending[id(param)] = param
+        return data
+
+    def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``AccumulateGrad`` needs the full shape: gather if no re-gather did, accumulate
+        (DeepSpeed's post-accumulate hook reduce-scatters), release."""
+        gathered = self._gather_one(param)
+        torch.autograd.backward(param, grad)
+        if gathered or self.pending.pop(id(param), None) is not None:
+            self._release_one(param)
+
+    def _gather_one(self, param: torch.Tensor) -> bool:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        if param.ds_status is not ZeroParamStatus.NOT_AVAILABLE:  # type: ignore[attr-defined]
+            return False
+        param.all_gather(param_list=[param])  # type: ignore[attr-defined]
+        elements: int = param.ds_numel  # type: ignore[attr-defined]
+        held = self.stats.held_elements + elements
+        self.stats = attrs.evolve(
+            self.stats,
+            gathers=self.stats.gathers + 1,
+            gathered_elements=self.stats.gathered_elements + elements,
+            held_elements=held,
+            peak_elements=max(self.stats.peak_elements, held),
+        )
+        self._note("gather", 1, elements)
+        return True
+
+    def _release_one(self, param: torch.Tensor) -> None:
+        elements: int = param.ds_numel  # type: ignore[attr-defined]
+        if not getattr(param, "ds_persist", False):
+            param.partition(param_list=[param])  # type: ignore[attr-defined]
+        self.stats = attrs.evolve(
+            self.stats,
+            releases=self.stats.releases + 1,
+            held_elements=self.stats.held_elements - elements,
+        )
+        self._note("release", 1, elements)
 
     def _note(self, event: str, params: int, elements: int) -> None:
         self.log.log(

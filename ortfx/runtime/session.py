@@ -313,12 +313,19 @@ class ForwardRun:
     releases those contexts.
     """
 
-    __slots__ = ("contexts", "state", "trigger")
+    __slots__ = ("contexts", "fed", "state", "trigger")
 
-    def __init__(self, state: Any, contexts: list[int], trigger: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        state: Any,
+        contexts: list[int],
+        trigger: torch.Tensor | None,
+        fed: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.state = state
         self.contexts = contexts
         self.trigger = trigger  # memory-efficient gradients: the call's trigger leaf
+        self.fed = fed  # and its parameters (backward nodes may feed them again)
 
     def __del__(self) -> None:
         if self.contexts:
@@ -335,6 +342,7 @@ def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
         ("intra_op_threads", options.intra_op_threads or torch.get_num_threads()),
         ("allow_spinning", options.allow_spinning),
         ("cpu_mem_arena", options.cpu_mem_arena),
+        ("zero3_layerwise", options.zero3_layerwise),
     )
 
 
@@ -431,7 +439,7 @@ class TrainingRunner:
                 pythonop.release(contexts)
                 raise _run_failed("forward", graph_inputs, e) from e
         trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
-        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger)
+        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
 
     def backward(
         self,
@@ -456,7 +464,11 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        with _serialized(self.python_ops), memgrad.accumulating():
+        with (
+            _serialized(self.python_ops),
+            memgrad.accumulating(),
+            memgrad.feeding(run_state.fed),
+        ):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
@@ -494,6 +506,17 @@ def _feeds_after_readers(model: bytes) -> bytes:
 
     proto = onnx.load_model_from_string(model)
     if not passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME):
+        return model
+    edited: bytes = proto.SerializeToString()
+    return edited
+
+
+def _gather_per_layer(model: bytes) -> bytes:
+    """ZeRO-3 layer-wise gathering: see :func:`ortfx.passes.layerwise.gather_per_layer`."""
+    from ortfx.passes import layerwise
+
+    proto = onnx.load_model_from_string(model)
+    if not layerwise.gather_per_layer(proto, memgrad.FUNCTION_NAME):
         return model
     edited: bytes = proto.SerializeToString()
     return edited
@@ -544,6 +567,8 @@ def open_training(
     gradient_model: bytes = builder.get_gradient_model()
     if info.fed_params:
         gradient_model = _feeds_after_readers(gradient_model)
+        if options.zero3_layerwise:
+            gradient_model = _gather_per_layer(gradient_model)
     gradient_build_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
