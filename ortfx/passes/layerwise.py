@@ -67,7 +67,7 @@ def gather_per_layer(model: onnx.ModelProto, function: str) -> bool:
         forward = [n for n in readers if not in_backward(n)]
         if forward:
             first = forward[0]
-            order = next((i for i in first.input if i and i not in fixed), None)
+            order = _layer_input(first, consumers, fixed, position)
             if order is not None:
                 wait = _wait(f"ortfx_layerwise_feed_{k}", trigger, order)
                 feed.input[0] = wait.output[0]
@@ -88,6 +88,7 @@ def gather_per_layer(model: onnx.ModelProto, function: str) -> bool:
         nodes.extend(before.get(id(node), []))
         if id(node) not in moved:
             nodes.append(node)
+    nodes = _sorted(nodes)  # a moved feed may now come before its wait's input
     if _one_layer_at_a_time(nodes, waits):
         nodes = _sorted(nodes)
     copies = [_copy(n) for n in nodes]  # before clearing: the wrappers view graph.node
@@ -155,6 +156,23 @@ def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     if len(out) != len(nodes):
         raise ValueError("ortfx layerwise pass: the rewritten gradient graph has a cycle")
     return out
+
+
+def _layer_input(
+    reader: onnx.NodeProto,
+    consumers: dict[str, list[onnx.NodeProto]],
+    fixed: set[str],
+    position: dict[int, int],
+) -> str | None:
+    """The activation a parameter's first forward reader computes with (through layout nodes
+    such as ``W^T``, whose only input is the parameter: then their first reader's)."""
+    found = next((i for i in reader.input if i and i not in fixed), None)
+    if found is not None and reader.op_type not in _LAYOUT_OPS:
+        return found
+    after = sorted(consumers.get(reader.output[0], []), key=lambda n: position[id(n)])
+    if reader.op_type in _LAYOUT_OPS and after:
+        return _layer_input(after[0], consumers, fixed | {reader.output[0]}, position)
+    return found
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
