@@ -34,6 +34,8 @@ from torch import nn
 from bench.common import describe, machine, stamp
 
 BACKENDS = ("eager DeepSpeed", "ortfx phase 1", "ortfx phase 2")
+# Phase 2's feeds without the gradient-graph rewrite: what ORT keeps on its own (measurement).
+UNREWRITTEN = "ortfx phase 2 without the rewrite"
 
 
 class Deep(nn.Module):
@@ -64,7 +66,7 @@ def _config(batch: int) -> dict[str, Any]:
     }
 
 
-def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run(backend: str, args: argparse.Namespace, probed: bool) -> dict[str, Any]:
     import deepspeed
 
     import ortfx
@@ -74,10 +76,15 @@ def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model: nn.Module = Deep(args.layers, args.width)
     if backend != BACKENDS[0]:
-        zero3.configure_ort_compatible_zero_stage3(layerwise=backend == BACKENDS[2])
+        zero3.configure_ort_compatible_zero_stage3(layerwise=backend in (BACKENDS[2], UNREWRITTEN))
         model = ortfx.ORTModule(model)
     engine, *_ = deepspeed.initialize(model=model, config=_config(args.batch))
-    probe = GatherProbe(engine.module.parameters()).install()
+    if backend == UNREWRITTEN:
+        ortfx.configure(engine.module, zero3_layerwise=False)
+    # The probe pauses after each gather: runs that measure time go without it.
+    probe = GatherProbe(engine.module.parameters())
+    if probed:
+        probe.install()
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, args.width, generator=g)
@@ -93,10 +100,12 @@ def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     probe.remove()
     return {
         "backend": backend,
+        "probed": probed,
         "step_ms": 1000 * statistics.median(times[1:]),
         "first_step_ms": 1000 * times[0],
         "peak_counted": probe.counted,
         "peak_stored": probe.stored,
+        "peak_stored_at_once": probe.stored_at_once,
         "total": sum(p.ds_numel for p in engine.module.parameters()),
         "loss": loss.item(),
     }
@@ -108,7 +117,14 @@ def _worker(out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see tests/zero3_worker.py
     deepspeed.init_distributed("gloo")
-    rows = [{"round": r, **_run(backend, args)} for r in range(args.rounds) for backend in BACKENDS]
+    rows = [
+        {"round": r, **_run(backend, args, probed=False)}
+        for r in range(args.rounds)
+        for backend in BACKENDS
+    ]
+    rows += [
+        {"round": -1, **_run(backend, args, probed=True)} for backend in (*BACKENDS, UNREWRITTEN)
+    ]
     with open(out, "w") as f:
         json.dump(rows, f)
 
@@ -161,21 +177,23 @@ def main() -> None:
         f"`python -m bench.zero3 {' '.join(sys.argv[1:])}`",
         "",
         "| backend | step ms (best round, median of steps 2+) | first step ms "
-        "| peak gathered elements per rank: counted / stored | share of the model |",
+        "| peak gathered elements per rank after step 1: counted / stored / stored at once "
+        "| stored, share of the model |",
         "|---|---|---|---|---|",
     ]
-    for backend in BACKENDS:
+    for backend in (*BACKENDS, UNREWRITTEN):
         rows = [row for rank in ranks for row in rank if row["backend"] == backend]
-        best = min(
-            statistics.mean(r["step_ms"] for r in rows if r["round"] == k)
-            for k in range(args.rounds)
-        )
-        first = statistics.median(r["first_step_ms"] for r in rows)
-        counted = max(r["peak_counted"] for r in rows)
-        stored = max(r["peak_stored"] for r in rows)
+        timed = [r for r in rows if not r["probed"]]
+        rounds = [[r["step_ms"] for r in timed if r["round"] == k] for k in range(args.rounds)]
+        best = f"{min(statistics.mean(t) for t in rounds):.1f}" if timed else "-"
+        first = f"{statistics.median(r['first_step_ms'] for r in timed):.0f}" if timed else "-"
+        probed = [r for r in rows if r["probed"]]
+        counted = max(r["peak_counted"] for r in probed)
+        stored = max(r["peak_stored"] for r in probed)
+        at_once = max(r["peak_stored_at_once"] for r in probed)
         total = rows[0]["total"]
         lines.append(
-            f"| {backend} | {best:.1f} | {first:.0f} | {counted} / {stored} "
+            f"| {backend} | {best} | {first} | {counted} / {stored} / {at_once} "
             f"| {100 * stored / total:.1f} % |"
         )
     out = Path(__file__).parent / "results" / f"zero3-{stamp()[:8]}"
