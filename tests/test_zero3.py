@@ -25,6 +25,7 @@ from torch import nn
 
 import ortfx
 from ortfx.hooks import zero3
+from tests.models import TinyGPT
 from tests.test_hooks import Scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,17 +247,27 @@ def test_layerwise_gathers_each_parameter_next_to_its_layer(ranks: list[dict[str
             }
 
 
+def test_layerwise_no_grad_forward_gathers_all_and_releases(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        run = r["layerwise"]["ortfx"]
+        after = run["after_no_grad"]
+        last = run["checks"][-1]
+        assert after == {**last, "gathers": last["gathers"] + 1, "releases": last["releases"] + 1}
+
+
 def test_layerwise_every_gather_has_its_release(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         events = r["layerwise"]["ortfx"]["events"]
         held, most = 0, 0
-        for e in events[2:]:  # after the first step's gather-all and its release
+        for e in events[2:-2]:  # between the gather-alls of the first step and the no_grad call
             held += e["elements"] if e["event"] == "gather" else -e["elements"]
             assert held >= 0
             most = max(most, held)
         assert held == 0
         assert most == WIDTH * WIDTH  # one weight at a time, as DeepSpeed counts
         assert [e["event"] for e in events[:2]] == ["gather", "release"]
+        assert [e["event"] for e in events[-2:]] == ["gather", "release"]
+        assert {e["params"] for e in events[2:-2]} == {1}  # one parameter at a time
 
 
 def test_layerwise_peak_gathered_memory_matches_eager_deepspeed(
@@ -391,3 +402,31 @@ def test_layerwise_rewrite_keeps_gradients(tmp_path: Any, make: Any) -> None:
     regathered = [n for n in graph.node if n.name.startswith("ortfx_layerwise_regather_")]
     assert regathered  # every weight here has a backward reader (dX)
     assert ortfx.stats(model).exports == 1
+
+
+def test_layerwise_rewrite_on_a_transformer_matches_the_unrewritten_graph(tmp_path: Any) -> None:
+    """TinyGPT (embedding, LayerNorm, attention, head): the rewritten graph's gradients equal
+    those of the same graph without the rewrite, over two steps."""
+    torch.manual_seed(0)
+    base = TinyGPT()
+    ids = torch.randint(0, 64, (2, 8))
+    grads = []
+    for layerwise in (False, True):
+        model = ortfx.ORTModule(
+            copy.deepcopy(base),
+            options=ortfx.Options(
+                enable_mem_efficient_grad_management=True,
+                zero3_layerwise=layerwise,
+                save_onnx=True,
+                onnx_prefix=f"gpt{int(layerwise)}",
+                save_path=str(tmp_path),
+            ),
+        )
+        for _ in range(2):
+            model(ids, ids).backward()
+        grads.append([p.grad for p in model.module.parameters()])
+        graph = onnx.load(str(tmp_path / f"gpt{int(layerwise)}_optimized_training.onnx")).graph
+        regathers = [n for n in graph.node if n.name.startswith("ortfx_layerwise_regather_")]
+        assert bool(regathers) is layerwise
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -325,6 +325,9 @@ def layerwise(rank: int, world: int) -> dict[str, Any]:
             zero=NO_PREFETCH,
         )
         engine = run.pop("engine")
+        with torch.no_grad():  # the inference graph reads the weights as inputs: gather all
+            engine(*shard(rank, world, deep_batch))
+        run["after_no_grad"] = checks(engine)
         run["options"] = [
             ortfx.options_of(engine.module).zero3_layerwise,
             ortfx.options_of(engine.module).enable_mem_efficient_grad_management,
