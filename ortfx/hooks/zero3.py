@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO stage 3 for ``ORTModule``, phase 1: gather every parameter around each step.
+"""DeepSpeed ZeRO stage 3 for ``ORTModule``: phase 1 gathers every parameter around each step,
+phase 2 (``layerwise=True``) each parameter inside the ORT graph, next to its layer.
 
 DeepSpeed gathers a submodule's parameters from that submodule's forward hooks. ONNX Runtime
 runs the whole module as one graph, so those hooks never fire. After
@@ -14,6 +15,11 @@ runs the whole module as one graph, so those hooks never fire. After
   autograd engine, after DeepSpeed's own), or right after a forward nothing can backward through.
 
 Optimizer states and gradients stay partitioned; parameter memory does not (see docs/zero3.md).
+
+Phase 2: the wrapper feeds its parameters through memory-efficient gradients' PythonOps, and
+its :class:`_Gatherer` is their :class:`~ortfx.runtime.memgrad.Fetcher`: a forward feed gathers
+one parameter and leaves ORT the only reference, a backward re-feed gathers it again, and its
+gradient node accumulates and releases (graph side: :mod:`ortfx.passes.layerwise`).
 """
 
 from __future__ import annotations
@@ -90,8 +96,10 @@ class Zero3Stats:
     """Counters of one wrapper's gather-all protocol (the test and benchmark seam)."""
 
     forwards: int = 0  # forwards that ran under the protocol
-    gathers: int = 0  # all-gathers (each of every parameter that was partitioned)
-    releases: int = 0  # releases (each of everything a gather brought in)
+    # Phase 1: all-gathers of every partitioned parameter, and releases of all of them.
+    # Phase 2: after the first step, each gather and release is of one parameter.
+    gathers: int = 0
+    releases: int = 0
     gathered_elements: int = 0  # parameter elements all-gathered, summed over gathers
     held_elements: int = 0  # parameter elements this wrapper holds gathered now
     peak_elements: int = 0  # the most it held at once
