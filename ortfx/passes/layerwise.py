@@ -166,7 +166,7 @@ def _layer_input(
 ) -> str | None:
     """The activation a parameter's first forward reader computes with (through layout nodes
     such as ``W^T``, whose only input is the parameter: then their first reader's)."""
-    found = next((i for i in reader.input if i and i not in fixed), None)
+    found: str | None = next((i for i in reader.input if i and i not in fixed), None)
     if found is not None and reader.op_type not in _LAYOUT_OPS:
         return found
     after = sorted(consumers.get(reader.output[0], []), key=lambda n: position[id(n)])
