@@ -235,7 +235,7 @@ def test_layerwise_gathers_each_parameter_next_to_its_layer(ranks: list[dict[str
         assert run["regathers"] == LAYERS - 1
         assert run["ordered_feeds"] == 2 * (LAYERS - 1)  # layer 0 reads a graph input
         for step, check in enumerate(run["checks"], start=1):
-            gathers = 1 + GATHERS_PER_STEP * (step - 1)  # the first step exports: gather all
+            gathers = 1 + GATHERS_PER_STEP * step  # the export gathers all, once
             assert check == {
                 "partitioned": True,
                 "gathers": gathers,
@@ -253,6 +253,19 @@ def test_layerwise_no_grad_forward_gathers_all_and_releases(ranks: list[dict[str
         after = run["after_no_grad"]
         last = run["checks"][-1]
         assert after == {**last, "gathers": last["gathers"] + 1, "releases": last["releases"] + 1}
+
+
+def test_layerwise_eval_before_training_exports_with_the_weights_gathered(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """An eval-mode no_grad call first (its own export), then a training step: the training
+    export gathers the partitioned weights for its trace; both losses equal eager DeepSpeed's
+    first (the model has no dropout)."""
+    for r in ranks:
+        run = r["layerwise"]["ortfx"]["eval_first"]
+        want = r["layerwise"]["eager"]["losses"][0]
+        assert np.abs(np.array(run["losses"]) - want).max() <= TOLERANCE
+        assert run["partitioned"] and run["exports"] == 2
 
 
 def test_layerwise_every_gather_has_its_release(ranks: list[dict[str, Any]]) -> None:

@@ -302,6 +302,8 @@ def main(out: str) -> None:
 
 def layerwise(rank: int, world: int) -> dict[str, Any]:
     """Phase 2 on Deep: parity, pairing, and what is gathered at once against eager ZeRO-3."""
+    import deepspeed
+
     import ortfx
     from ortfx.hooks import zero3
     from ortfx.runtime import pythonop
@@ -343,6 +345,26 @@ def layerwise(rank: int, world: int) -> dict[str, Any]:
         )
         with open(os.path.join(tmp, f"zero3_rank{rank}.jsonl")) as f:
             run["events"] = [json.loads(line) for line in f]
+    del engine
+    zero3.configure_ort_compatible_zero_stage3(layerwise=True)
+    # An eval-mode forward first exports the eval graph; the training export that follows
+    # happens with partitioned weights and must gather them for its trace.
+    engine, *_ = deepspeed.initialize(
+        model=ortfx.ORTModule(make_deep()), config=config(world, **NO_PREFETCH)
+    )
+    x, target = shard(rank, world, deep_batch)
+    engine.eval()  # the eval-mode graph is its own export
+    with torch.no_grad():
+        first = engine(x, target).item()
+    engine.train()
+    loss = engine(x, target)
+    engine.backward(loss)
+    engine.step()
+    run["eval_first"] = {
+        "losses": [first, loss.item()],
+        "partitioned": all_partitioned(engine),
+        "exports": ortfx.stats(engine.module).exports,
+    }
     zero3.configure_ort_compatible_zero_stage3()
     return {"plain": reference, "eager": eager, "ortfx": run}
 

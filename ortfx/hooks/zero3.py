@@ -25,12 +25,13 @@ gradient node accumulates and releases (graph side: :mod:`ortfx.passes.layerwise
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import attrs
@@ -183,6 +184,23 @@ def check_partitioned(module: torch.nn.Module, named_tensors: Mapping[str, torch
     )
 
 
+@contextlib.contextmanager
+def gathered_for_export(module: torch.nn.Module) -> Iterator[None]:
+    """Phase 2: the parameters of ``module`` (the wrapped module) that are partitioned are
+    gathered while ortfx exports it, and released after. A no-op for other modules."""
+    gatherer = next(
+        (g for w, g in list(_gatherers.items()) if getattr(w, "module", None) is module), None
+    )
+    if gatherer is None or not gatherer.layerwise:
+        yield
+        return
+    brought = gatherer.gather()
+    try:
+        yield
+    finally:
+        gatherer.release(brought)
+
+
 def _gatherer_of(model: torch.nn.Module) -> _Gatherer:
     wrapper = getattr(model, "module", None) if model not in _gatherers else model
     gatherer = _gatherers.get(wrapper) if wrapper is not None else None
@@ -275,18 +293,16 @@ class _Gatherer:
         self.live += 1
         self.stats = attrs.evolve(self.stats, forwards=self.stats.forwards + 1, live=self.live)
         _plain_linear.enter()
-        if not self._layer_by_layer(module):
+        if not self._layer_by_layer():
             self.gather()
 
-    def _layer_by_layer(self, wrapper: torch.nn.Module) -> bool:
+    def _layer_by_layer(self) -> bool:
         """Phase 2 for this forward: ORT's training graph (with its in-graph gathers) will
-        run. An export (the first call) traces the full weights, and an inference graph
-        reads them as inputs: those forwards gather everything, as phase 1 does."""
-        if not (self.layerwise and torch.is_grad_enabled()):
-            return False
-        from ortfx.runtime.module import stats as wrapper_stats
-
-        return wrapper_stats(wrapper).exports > 0 and any(p.requires_grad for p in self.params)
+        run. An inference graph reads the weights as inputs: those forwards gather everything,
+        as phase 1 does. An export gathers for itself (:func:`gathered_for_export`)."""
+        return (
+            self.layerwise and torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
+        )
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         try:
@@ -306,12 +322,13 @@ class _Gatherer:
         finally:
             _plain_linear.exit()
 
-    def gather(self) -> None:
+    def gather(self) -> tuple[torch.nn.Parameter, ...]:
+        """All-gather every partitioned parameter; returns them."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         missing = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]  # type: ignore[attr-defined]
         if not missing:
-            return
+            return ()
         missing[0].all_gather(param_list=missing)  # type: ignore[attr-defined]
         self.held = (*self.held, *missing)
         elements = sum(p.ds_numel for p in missing)  # type: ignore[attr-defined]
@@ -324,6 +341,7 @@ class _Gatherer:
             peak_elements=max(self.stats.peak_elements, held),
         )
         self._note("gather", len(missing), elements)
+        return tuple(missing)
 
     def end(self) -> None:
         """One forward no longer needs the parameters; the last one out releases them."""
@@ -332,24 +350,34 @@ class _Gatherer:
         if self.live == 0:
             self.release()
 
-    def release(self) -> None:
+    def release(self, only: Sequence[torch.Tensor] | None = None) -> None:
+        """Release what this wrapper holds gathered (``only``: just those, from a gather)."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        if only is None:
+            if not self.held and not self.pending:
+                return  # nothing gathered since the last release (phase 2 releases per layer)
+            chosen = (*self.held, *self.pending.values())
+            self.held, self.pending = (), {}
+        else:
+            if not only:
+                return
+            chosen = tuple(only)
+            self.held = tuple(p for p in self.held if all(p is not q for q in chosen))
         # Persistent parameters stay gathered, as DeepSpeed keeps them; parameters someone else
         # released meanwhile (engine.step partitions everything) need nothing.
-        if not self.held and not self.pending:
-            return  # nothing gathered since the last release (phase 2 releases per layer)
         drop = [
             p
-            for p in (*self.held, *self.pending.values())
+            for p in chosen
             if p.ds_status is ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)  # type: ignore[attr-defined]
         ]
-        self.held = ()
-        self.pending = {}
         elements = sum(p.ds_numel for p in drop)  # type: ignore[attr-defined]
         if drop:
             drop[0].partition(param_list=drop)  # type: ignore[attr-defined]
-        self.stats = attrs.evolve(self.stats, releases=self.stats.releases + 1, held_elements=0)
+        held = 0
+        if only is not None:
+            held = self.stats.held_elements - sum(p.ds_numel for p in chosen)  # type: ignore[attr-defined]
+        self.stats = attrs.evolve(self.stats, releases=self.stats.releases + 1, held_elements=held)
         self._note("release", len(drop), elements)
 
     # ---- phase 2: memgrad.Fetcher, called from the graph's feed nodes ----
