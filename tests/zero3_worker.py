@@ -40,6 +40,32 @@ class Net(nn.Module):
         return torch.nn.functional.mse_loss(self.fc2(h).mean(dim=1), target)
 
 
+class Deep(nn.Module):
+    """Eight Linear layers: phase 2 gathers one layer at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(x, target)
+
+
+WIDTH, LAYERS = 32, 8
+
+
+def make_deep() -> Deep:
+    torch.manual_seed(0)
+    return Deep()
+
+
+def deep_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
 def make_net() -> Net:
     torch.manual_seed(0)
     return Net()
@@ -50,13 +76,15 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 16, (BATCH, 5), generator=g), torch.randn(BATCH, 4, generator=g)
 
 
-def shard(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids, target = batch()
+def shard(
+    rank: int, world: int, data: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, target = (data or batch)()
     n = BATCH // world
     return ids[rank * n : (rank + 1) * n], target[rank * n : (rank + 1) * n]
 
 
-def config(world: int) -> dict[str, Any]:
+def config(world: int, **zero: Any) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": BATCH // world,
         "gradient_accumulation_steps": 1,
@@ -66,15 +94,26 @@ def config(world: int) -> dict[str, Any]:
             "type": "Adam",
             "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True},
         },
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
     }
 
 
-def plain() -> dict[str, Any]:
+# Eager DeepSpeed without prefetching or parameter reuse: what it gathers is what a layer needs.
+NO_PREFETCH = {
+    "stage3_prefetch_bucket_size": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_max_live_parameters": 0,
+}
+
+
+def plain(
+    make: Callable[[], nn.Module] = make_net,
+    data: Callable[[], tuple[torch.Tensor, torch.Tensor]] = batch,
+) -> dict[str, Any]:
     """Plain PyTorch on the full batch: what every ZeRO-3 run must reproduce."""
-    net = make_net()
+    net = make()
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)
-    ids, target = batch()
+    ids, target = data()
     losses = []
     for _ in range(STEPS):
         loss = net(ids, target)
@@ -108,14 +147,21 @@ def train(
     world: int,
     step: Callable[[Any, torch.Tensor], None] | None = None,
     check: Callable[[Any], dict[str, Any]] | None = None,
+    data: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    zero: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, config=config(world))
-    ids, target = shard(rank, world)
+    from tests.zero3_probe import GatherProbe
+
+    engine, *_ = deepspeed.initialize(model=model, config=config(world, **(zero or {})))
+    probe = GatherProbe(engine.module.parameters()).install()
+    ids, target = shard(rank, world, data)
     losses, checks = [], []
     start = time.perf_counter()
-    for _ in range(STEPS):
+    for k in range(STEPS):
+        if k == 1:
+            probe.reset()  # ortfx's first step exports, which needs every weight gathered
         loss = engine(ids, target)
         if step is None:
             engine.backward(loss)
@@ -126,7 +172,11 @@ def train(
         if check is not None:
             checks.append(check(engine))
     seconds = time.perf_counter() - start
+    probe.remove()
     return {
+        "peak_counted": probe.counted,
+        "peak_stored": probe.stored,
+        "peak_stored_at_once": probe.stored_at_once,
         "losses": losses,
         "weights": gathered_weights(engine),
         "checks": checks,
@@ -222,6 +272,8 @@ def main(out: str) -> None:
     results["ortfx"] = run
     del engine
 
+    results["layerwise"] = layerwise(rank, world)
+
     # Negative controls: broken protocols the checks above must catch.
     zero3.configure_ort_compatible_zero_stage3()
 
@@ -246,6 +298,75 @@ def main(out: str) -> None:
     )
     with open(out, "w") as f:
         json.dump(results, f)
+
+
+def layerwise(rank: int, world: int) -> dict[str, Any]:
+    """Phase 2 on Deep: parity, pairing, and what is gathered at once against eager ZeRO-3."""
+    import deepspeed
+
+    import ortfx
+    from ortfx.hooks import zero3
+    from ortfx.runtime import pythonop
+
+    reference = plain(make_deep, deep_batch)
+    eager = train(make_deep(), rank, world, data=deep_batch, zero=NO_PREFETCH)
+    eager.pop("engine")
+
+    def checks(engine: Any) -> dict[str, Any]:
+        return {**protocol_checks(engine), "contexts": pythonop.live_contexts()}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        zero3.configure_ort_compatible_zero_stage3(debug=True, stats_output_dir=tmp, layerwise=True)
+        options = ortfx.Options(save_onnx=True, onnx_prefix="lw", save_path=tmp)
+        run = train(
+            ortfx.ORTModule(make_deep(), options=options),
+            rank,
+            world,
+            check=checks,
+            data=deep_batch,
+            zero=NO_PREFETCH,
+        )
+        engine = run.pop("engine")
+        with torch.no_grad():  # the inference graph reads the weights as inputs: gather all
+            engine(*shard(rank, world, deep_batch))
+        run["after_no_grad"] = checks(engine)
+        run["options"] = [
+            ortfx.options_of(engine.module).zero3_layerwise,
+            ortfx.options_of(engine.module).enable_mem_efficient_grad_management,
+        ]
+        graph = onnx.load(os.path.join(tmp, "lw_optimized_training.onnx")).graph
+        run["regathers"] = sum(
+            n.op_type == "PythonOp" and n.name.startswith("ortfx_layerwise_regather_")
+            for n in graph.node
+        )
+        run["ordered_feeds"] = sum(
+            n.op_type == "PassThrough" and n.name.startswith("ortfx_layerwise_feed_")
+            for n in graph.node
+        )
+        with open(os.path.join(tmp, f"zero3_rank{rank}.jsonl")) as f:
+            run["events"] = [json.loads(line) for line in f]
+    del engine
+    zero3.configure_ort_compatible_zero_stage3(layerwise=True)
+    # An eval-mode forward first exports the eval graph; the training export that follows
+    # happens with partitioned weights and must gather them for its trace.
+    engine, *_ = deepspeed.initialize(
+        model=ortfx.ORTModule(make_deep()), config=config(world, **NO_PREFETCH)
+    )
+    x, target = shard(rank, world, deep_batch)
+    engine.eval()  # the eval-mode graph is its own export
+    with torch.no_grad():
+        first = engine(x, target).item()
+    engine.train()
+    loss = engine(x, target)
+    engine.backward(loss)
+    engine.step()
+    run["eval_first"] = {
+        "losses": [first, loss.item()],
+        "partitioned": all_partitioned(engine),
+        "exports": ortfx.stats(engine.module).exports,
+    }
+    zero3.configure_ort_compatible_zero_stage3()
+    return {"plain": reference, "eager": eager, "ortfx": run}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO stage 3 for ``ORTModule``, phase 1: gather every parameter around each step.
+"""DeepSpeed ZeRO stage 3 for ``ORTModule``: phase 1 gathers every parameter around each step,
+phase 2 (``layerwise=True``) each parameter inside the ORT graph, next to its layer.
 
 DeepSpeed gathers a submodule's parameters from that submodule's forward hooks. ONNX Runtime
 runs the whole module as one graph, so those hooks never fire. After
@@ -14,17 +15,23 @@ runs the whole module as one graph, so those hooks never fire. After
   autograd engine, after DeepSpeed's own), or right after a forward nothing can backward through.
 
 Optimizer states and gradients stay partitioned; parameter memory does not (see docs/zero3.md).
+
+Phase 2: the wrapper feeds its parameters through memory-efficient gradients' PythonOps, and
+its :class:`_Gatherer` is their :class:`~ortfx.runtime.memgrad.Fetcher`: a forward feed gathers
+one parameter and leaves ORT the only reference, a backward re-feed gathers it again, and its
+gradient node accumulates and releases (graph side: :mod:`ortfx.passes.layerwise`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import attrs
@@ -34,6 +41,7 @@ from ortfx import io
 from ortfx.errors import OrtfxInitError
 from ortfx.export import queue_after_backward
 from ortfx.options import LogLevel
+from ortfx.runtime import memgrad
 from ortfx.runtime.logs import WrapperLog
 
 ZERO3_NOT_CONFIGURED = (
@@ -81,6 +89,7 @@ class Settings:
     debug: bool = False
     stats_output_dir: str | None = None
     stats_overwrite: bool = False
+    layerwise: bool = False
 
 
 @attrs.frozen
@@ -88,8 +97,10 @@ class Zero3Stats:
     """Counters of one wrapper's gather-all protocol (the test and benchmark seam)."""
 
     forwards: int = 0  # forwards that ran under the protocol
-    gathers: int = 0  # all-gathers (each of every parameter that was partitioned)
-    releases: int = 0  # releases (each of everything a gather brought in)
+    # Phase 1: all-gathers of every partitioned parameter, and releases of all of them.
+    # Phase 2: after the first step, each gather and release is of one parameter.
+    gathers: int = 0
+    releases: int = 0
     gathered_elements: int = 0  # parameter elements all-gathered, summed over gathers
     held_elements: int = 0  # parameter elements this wrapper holds gathered now
     peak_elements: int = 0  # the most it held at once
@@ -105,7 +116,10 @@ _gatherers: weakref.WeakKeyDictionary[torch.nn.Module, _Gatherer] = weakref.Weak
 
 
 def configure_ort_compatible_zero_stage3(
-    debug: bool = False, stats_output_dir: str | None = None, stats_overwrite: bool = False
+    debug: bool = False,
+    stats_output_dir: str | None = None,
+    stats_overwrite: bool = False,
+    layerwise: bool = False,
 ) -> None:
     """Make DeepSpeed ZeRO stage 3 hook an ``ortfx.ORTModule`` as one unit. Call it before
     ``deepspeed.initialize(model=ortfx.ORTModule(model), config=...)``.
@@ -113,8 +127,13 @@ def configure_ort_compatible_zero_stage3(
     ``debug`` logs each gather and release (the ``ortfx`` logger, INFO). With
     ``stats_output_dir`` (and ``debug``) each rank also appends them as JSON lines to
     ``<stats_output_dir>/zero3_rank<rank>.jsonl``; ``stats_overwrite`` replaces an existing
-    file instead of raising. Calling it again replaces the settings; other modules keep
-    DeepSpeed's own hooks.
+    file instead of raising. Calling it again replaces the settings (for wrappers initialized
+    after it); other modules keep DeepSpeed's own hooks.
+
+    ``layerwise`` (phase 2) gathers each parameter inside the ORT graph right before the layer
+    that reads it and again in the backward, instead of the whole model around each step; it
+    turns on ``Options(enable_mem_efficient_grad_management=True, zero3_layerwise=True)`` for
+    the wrapper. See docs/zero3.md.
     """
     global _settings
     try:
@@ -130,7 +149,7 @@ def configure_ort_compatible_zero_stage3(
         _originals["register"] = DeepSpeedZeRoOffload._register_deepspeed_module
         DeepSpeedZeRoOffload.setup_zero_stage3_hooks = _setup_zero_stage3_hooks
         DeepSpeedZeRoOffload._register_deepspeed_module = _register_deepspeed_module
-    _settings = Settings(debug, stats_output_dir, stats_overwrite)
+    _settings = Settings(debug, stats_output_dir, stats_overwrite, layerwise)
 
 
 def stats(model: torch.nn.Module) -> Zero3Stats:
@@ -163,6 +182,23 @@ def check_partitioned(module: torch.nn.Module, named_tensors: Mapping[str, torch
             local=list(first.shape),
         )
     )
+
+
+@contextlib.contextmanager
+def gathered_for_export(module: torch.nn.Module) -> Iterator[None]:
+    """Phase 2: the parameters of ``module`` (the wrapped module) that are partitioned are
+    gathered while ortfx exports it, and released after. A no-op for other modules."""
+    gatherer = next(
+        (g for w, g in list(_gatherers.items()) if getattr(w, "module", None) is module), None
+    )
+    if gatherer is None or not gatherer.layerwise:
+        yield
+        return
+    brought = gatherer.gather()
+    try:
+        yield
+    finally:
+        gatherer.release(brought)
 
 
 def _gatherer_of(model: torch.nn.Module) -> _Gatherer:
@@ -211,6 +247,12 @@ def _register_deepspeed_module(
     if gatherer is None:
         gatherer = _Gatherer(module, _settings or Settings())
         _gatherers[module] = gatherer
+    if gatherer.layerwise:
+        from ortfx.runtime.module import configure
+
+        configure(module, enable_mem_efficient_grad_management=True, zero3_layerwise=True)
+        for p in gatherer.params:
+            memgrad.fetch_through(p, gatherer)
     offload.forward_hooks.extend(gatherer.attach())
 
 
@@ -231,6 +273,9 @@ class _Gatherer:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.log = WrapperLog(LogLevel.INFO if settings.debug else LogLevel.WARNING)
         self.sink = _stats_sink(settings) if settings.debug else None
+        self.layerwise = settings.layerwise
+        # Phase 2: parameters a backward re-gather brought in, released after accumulation.
+        self.pending: dict[int, torch.Tensor] = {}
 
     def attach(self) -> list[torch.utils.hooks.RemovableHandle]:
         for handle in self.handles:
@@ -248,7 +293,16 @@ class _Gatherer:
         self.live += 1
         self.stats = attrs.evolve(self.stats, forwards=self.stats.forwards + 1, live=self.live)
         _plain_linear.enter()
-        self.gather()
+        if not self._layer_by_layer():
+            self.gather()
+
+    def _layer_by_layer(self) -> bool:
+        """Phase 2 for this forward: ORT's training graph (with its in-graph gathers) will
+        run. An inference graph reads the weights as inputs: those forwards gather everything,
+        as phase 1 does. An export gathers for itself (:func:`gathered_for_export`)."""
+        return (
+            self.layerwise and torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
+        )
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         try:
@@ -268,12 +322,13 @@ class _Gatherer:
         finally:
             _plain_linear.exit()
 
-    def gather(self) -> None:
+    def gather(self) -> tuple[torch.nn.Parameter, ...]:
+        """All-gather every partitioned parameter; returns them."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         missing = [p for p in self.params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE]  # type: ignore[attr-defined]
         if not missing:
-            return
+            return ()
         missing[0].all_gather(param_list=missing)  # type: ignore[attr-defined]
         self.held = (*self.held, *missing)
         elements = sum(p.ds_numel for p in missing)  # type: ignore[attr-defined]
@@ -286,6 +341,7 @@ class _Gatherer:
             peak_elements=max(self.stats.peak_elements, held),
         )
         self._note("gather", len(missing), elements)
+        return tuple(missing)
 
     def end(self) -> None:
         """One forward no longer needs the parameters; the last one out releases them."""
@@ -294,22 +350,86 @@ class _Gatherer:
         if self.live == 0:
             self.release()
 
-    def release(self) -> None:
+    def release(self, only: Sequence[torch.Tensor] | None = None) -> None:
+        """Release what this wrapper holds gathered (``only``: just those, from a gather)."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        if only is None:
+            if not self.held and not self.pending:
+                return  # nothing gathered since the last release (phase 2 releases per layer)
+            chosen = (*self.held, *self.pending.values())
+            self.held, self.pending = (), {}
+        else:
+            if not only:
+                return
+            chosen = tuple(only)
+            self.held = tuple(p for p in self.held if all(p is not q for q in chosen))
         # Persistent parameters stay gathered, as DeepSpeed keeps them; parameters someone else
         # released meanwhile (engine.step partitions everything) need nothing.
         drop = [
             p
-            for p in self.held
+            for p in chosen
             if p.ds_status is ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False)  # type: ignore[attr-defined]
         ]
-        self.held = ()
         elements = sum(p.ds_numel for p in drop)  # type: ignore[attr-defined]
         if drop:
             drop[0].partition(param_list=drop)  # type: ignore[attr-defined]
-        self.stats = attrs.evolve(self.stats, releases=self.stats.releases + 1, held_elements=0)
+        held = 0
+        if only is not None:
+            held = self.stats.held_elements - sum(p.ds_numel for p in chosen)  # type: ignore[attr-defined]
+        self.stats = attrs.evolve(self.stats, releases=self.stats.releases + 1, held_elements=held)
         self._note("release", len(drop), elements)
+
+    # ---- phase 2: memgrad.Fetcher, called from the graph's feed nodes ----
+
+    def fetch(self, param: torch.Tensor, *, backward: bool) -> torch.Tensor:
+        """The full value of ``param`` for one feed node. A forward feed hands ORT the only
+        reference (DeepSpeed's is released at once), so the value dies with ORT's last
+        forward reader; a backward re-gather stays gathered until its gradient is in."""
+        gathered = self._gather_one(param)
+        data = param.data
+        if gathered and not backward:
+            self._release_one(param)
+        elif gathered:
+            self.pending[id(param)] = param
+        return data
+
+    def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``AccumulateGrad`` needs the full shape: gather if no re-gather did, accumulate
+        (DeepSpeed's post-accumulate hook reduce-scatters), release."""
+        gathered = self._gather_one(param)
+        torch.autograd.backward(param, grad)
+        if gathered or self.pending.pop(id(param), None) is not None:
+            self._release_one(param)
+
+    def _gather_one(self, param: torch.Tensor) -> bool:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        if param.ds_status is not ZeroParamStatus.NOT_AVAILABLE:  # type: ignore[attr-defined]
+            return False
+        param.all_gather(param_list=[param])  # type: ignore[attr-defined]
+        elements: int = param.ds_numel  # type: ignore[attr-defined]
+        held = self.stats.held_elements + elements
+        self.stats = attrs.evolve(
+            self.stats,
+            gathers=self.stats.gathers + 1,
+            gathered_elements=self.stats.gathered_elements + elements,
+            held_elements=held,
+            peak_elements=max(self.stats.peak_elements, held),
+        )
+        self._note("gather", 1, elements)
+        return True
+
+    def _release_one(self, param: torch.Tensor) -> None:
+        elements: int = param.ds_numel  # type: ignore[attr-defined]
+        if not getattr(param, "ds_persist", False):
+            param.partition(param_list=[param])  # type: ignore[attr-defined]
+        self.stats = attrs.evolve(
+            self.stats,
+            releases=self.stats.releases + 1,
+            held_elements=self.stats.held_elements - elements,
+        )
+        self._note("release", 1, elements)
 
     def _note(self, event: str, params: int, elements: int) -> None:
         self.log.log(

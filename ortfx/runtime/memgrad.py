@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -53,6 +54,39 @@ CHANGED_IN_PLACE = (
 )
 
 
+class Fetcher(Protocol):
+    """Where a parameter's full value comes from when it is not simply the parameter (ZeRO-3
+    layer-wise gathering, :mod:`ortfx.hooks.zero3`)."""
+
+    def fetch(self, param: torch.Tensor, *, backward: bool) -> torch.Tensor:
+        """The full value for one node: a forward feed (``backward=False``), or a re-gather
+        for the backward nodes that read the parameter."""
+        ...
+
+    def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Hand ``grad`` to torch's ``AccumulateGrad`` of ``param``."""
+        ...
+
+
+# id(parameter) -> (the parameter, weakly; its Fetcher), registered by whoever partitions it.
+# By id: tensors compare elementwise, so they cannot be dictionary keys themselves.
+_FETCHERS: dict[int, tuple[weakref.ref[torch.Tensor], Fetcher]] = {}
+
+
+def fetch_through(param: torch.Tensor, fetcher: Fetcher | None) -> None:
+    """Feed ``param`` through ``fetcher`` from now on (``None``: feed it as it is again)."""
+    key = id(param)
+    if fetcher is None:
+        _FETCHERS.pop(key, None)
+        return
+    _FETCHERS[key] = (weakref.ref(param, lambda _: _FETCHERS.pop(key, None)), fetcher)
+
+
+def _fetcher(param: torch.Tensor) -> Fetcher | None:
+    entry = _FETCHERS.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
 class FeedParameter(torch.autograd.Function):
     """``apply(trigger, index)``: parameter ``index`` of the running call, as a PythonOp."""
 
@@ -65,13 +99,23 @@ class FeedParameter(torch.autograd.Function):
         ctx.param = param
         ctx.index = index
         ctx.version = param._version
-        return param.detach()
+        fetcher = _fetcher(param)
+        if fetcher is None:
+            return param.detach()
+        # The value is ORT's alone: the bridge keeps no reference to it until backward.
+        ctx.ortfx_drop_outputs = True
+        return fetcher.fetch(param, backward=bool(getattr(_LOCAL, "accumulating", False)))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         if not getattr(_LOCAL, "accumulating", False):
             raise RuntimeError(NOT_RUNNING.format(phase="backward"))
         param = ctx.param
+        fetcher = _fetcher(param)
+        if fetcher is not None:
+            # A partitioned parameter's data is swapped by its gathers: no version to check.
+            fetcher.accumulate(param, grad)
+            return torch.zeros((), dtype=torch.float32, device=grad.device), None
         if param._version != ctx.version:
             raise RuntimeError(
                 CHANGED_IN_PLACE.format(

@@ -266,6 +266,12 @@ def _forward(
         result[0] = node
     storages = _storages(owned)
     result.extend(_capsule(o, storages) for o in outputs)
+    if node is not None and getattr(node, "ortfx_drop_outputs", False):
+        # The Function says ORT owns its outputs' memory (e.g. a ZeRO-3 gathered weight that
+        # must die with ORT's last reader): keep only their metadata until backward.
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                o.data = torch.empty(0, dtype=o.dtype, device=o.device)
     return result
 
 
@@ -294,7 +300,10 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         for o, g in zip(kept.outputs, grads, strict=True)
         if isinstance(o, torch.Tensor) and o.requires_grad
     ]
-    if len(differentiable) == len(grads) and all(g is not None for _, g in differentiable):
+    dropped = getattr(ctx, "ortfx_drop_outputs", False)  # outputs kept as metadata only
+    if dropped or (
+        len(differentiable) == len(grads) and all(g is not None for _, g in differentiable)
+    ):
         # Every output has its grad: nothing to materialize, so call backward directly, as
         # the engine would (about 3x cheaper than going through it).
         with torch.no_grad():

@@ -317,12 +317,19 @@ class ForwardRun:
     releases those contexts.
     """
 
-    __slots__ = ("contexts", "state", "trigger")
+    __slots__ = ("contexts", "fed", "state", "trigger")
 
-    def __init__(self, state: Any, contexts: list[int], trigger: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        state: Any,
+        contexts: list[int],
+        trigger: torch.Tensor | None,
+        fed: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.state = state
         self.contexts = contexts
         self.trigger = trigger  # memory-efficient gradients: the call's trigger leaf
+        self.fed = fed  # and its parameters (backward nodes may feed them again)
 
     def __del__(self) -> None:
         if self.contexts:
@@ -339,6 +346,7 @@ def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
         ("intra_op_threads", options.intra_op_threads or torch.get_num_threads()),
         ("allow_spinning", options.allow_spinning),
         ("cpu_mem_arena", options.cpu_mem_arena),
+        ("zero3_layerwise", options.zero3_layerwise),
     )
 
 
@@ -437,7 +445,7 @@ class TrainingRunner:
                 pythonop.release(contexts)
                 raise _run_failed("forward", graph_inputs, e) from e
         trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
-        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger)
+        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
 
     def backward(
         self,
@@ -462,7 +470,11 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        with _serialized(self.python_ops), memgrad.accumulating(self.owned_grads):
+        with (
+            _serialized(self.python_ops),
+            memgrad.accumulating(self.owned_grads),
+            memgrad.feeding(run_state.fed),
+        ):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
@@ -513,6 +525,17 @@ def _gradient_passes(model: bytes, *, fed_params: bool) -> bytes:
     return edited
 
 
+def _gather_per_layer(model: bytes) -> bytes:
+    """ZeRO-3 layer-wise gathering: see :func:`ortfx.passes.layerwise.gather_per_layer`."""
+    from ortfx.passes import layerwise
+
+    proto = onnx.load_model_from_string(model)
+    if not layerwise.gather_per_layer(proto, memgrad.FUNCTION_NAME):
+        return model
+    edited: bytes = proto.SerializeToString()
+    return edited
+
+
 def open_training(
     info: PostExportProcessedModelInfo,
     device: torch.device,
@@ -557,6 +580,8 @@ def open_training(
     gi = builder.get_graph_info()
     gradient_model: bytes = builder.get_gradient_model()
     gradient_model = _gradient_passes(gradient_model, fed_params=bool(info.fed_params))
+    if info.fed_params and options.zero3_layerwise:
+        gradient_model = _gather_per_layer(gradient_model)
     gradient_build_seconds = time.perf_counter() - start
 
     start = time.perf_counter()

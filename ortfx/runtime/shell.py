@@ -548,11 +548,15 @@ def _sizes_changed(
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
 ) -> tuple[PostExportProcessedModelInfo, Timings, bool]:
-    source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
+    from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
+
     log = shell.log
+    # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
-    with watch.muted(module), captured(log, "the ONNX export"):
-        exported = export(source, leaves, call.key.schema, call.key.options)
+    with gathered_for_export(module):
+        source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
+        with watch.muted(module), captured(log, "the ONNX export"):
+            exported = export(source, leaves, call.key.schema, call.key.options)
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     # Imported here: ortfx.aten builds on the TorchScript exporter, which may be missing.
