@@ -58,8 +58,20 @@ def gather_per_layer(model: onnx.ModelProto, function: str) -> bool:
 
     before: dict[int, list[onnx.NodeProto]] = {}  # node id -> nodes inserted before it
     moved: set[int] = set()
-    grads = {n.input[0]: n.output[0] for n in all_nodes if n.op_type == "PythonOpGrad"}
     producers = {o: n for n in all_nodes for o in n.output}
+
+    def through_barriers(name: str) -> str:
+        # feeds_after_readers puts a PassThrough (outputs alias inputs) over the gradient
+        # node's context: find the feed's own context behind it.
+        node = producers.get(name)
+        while node is not None and node.op_type == "PassThrough":
+            name = node.input[list(node.output).index(name)]
+            node = producers.get(name)
+        return name
+
+    grads = {
+        through_barriers(n.input[0]): n.output[0] for n in all_nodes if n.op_type == "PythonOpGrad"
+    }
     waits: list[tuple[onnx.NodeProto, str | None]] = []  # regather waits, gradient done
     for k, feed in enumerate(feeds):
         param, trigger = feed.output[1], feed.input[0]
