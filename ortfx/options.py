@@ -117,6 +117,16 @@ def _memory_config(_: object, attribute: attrs.Attribute[Any], value: object) ->
     parse_config(value)  # raises ValueError naming the malformed entry
 
 
+def _cache_dir(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"'{attribute.name}' must be a str (got {value!r} that is a {type(value).__name__}); "
+            "a directory for the persistent export cache, or '' for none."
+        )
+    if value and os.path.exists(value) and not os.path.isdir(value):
+        raise ValueError(f"'{attribute.name}' must be a directory (got {value!r}, a file).")
+
+
 SAVE_PATH_NOT_WRITABLE = (
     "cannot save ONNX models to {directory!r}: it {problem}. Pass an existing, writable "
     "directory as DebugOptions(save_path=...) or ORTMODULE_SAVE_ONNX_PATH (or create it first)."
@@ -177,6 +187,9 @@ class Options:
     save_onnx: bool = False
     onnx_prefix: str = attrs.field(default="", validator=_prefix)
     save_path: str = ""
+    # A directory for processed graphs kept across processes (see ortfx.runtime.disk_cache);
+    # "" turns the persistent cache off. Created on first store.
+    cache_dir: str = attrs.field(default="", validator=_cache_dir)
     # None follows torch.get_num_threads() at session creation.
     intra_op_threads: int | None = None
     # ORT's spinning thread pool burns cores while idle; on shared machines it hurts badly.
@@ -325,6 +338,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
         _flag,
         "1 or 0",
     ),
+    "ORTMODULE_CACHE_DIR": ("cache_dir", str.strip, None),
     "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
     "ORTFX_INTRA_OP_THREADS": ("intra_op_threads", _threads, "a positive int"),
     "ORTFX_ALLOW_SPINNING": ("allow_spinning", _flag, "1 or 0"),

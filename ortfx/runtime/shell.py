@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 import sys
 import warnings
@@ -46,12 +47,12 @@ from ortfx.errors import (
     OrtfxTorchModelError,
     OrtfxWarning,
 )
-from ortfx.export import export, exporting, raise_if_pytorch_raises, resolve_exporter
+from ortfx.export import Exported, export, exporting, raise_if_pytorch_raises, resolve_exporter
 from ortfx.io import STATIC_TYPES
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import FallbackPolicy, Options
-from ortfx.runtime import events, logs, memgrad, watch
+from ortfx.runtime import disk_cache, events, logs, memgrad, watch
 from ortfx.runtime.autograd import RunORT
 from ortfx.runtime.logs import WrapperLog, captured
 from ortfx.runtime.session import (
@@ -551,6 +552,12 @@ def _export(
     from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
 
     log = shell.log
+    padding = _embedding_padding(module)
+    dynamic = frozenset(shell.options.dynamic_scalars)
+    cached = _from_disk_cache(shell, module, call, padding, dynamic)
+    if isinstance(cached, PostExportProcessedModelInfo):
+        # Entries whose trace turned tensors into Python values are never stored.
+        return cached, Timings(), False
     # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with gathered_for_export(module):
@@ -577,16 +584,63 @@ def _export(
         logs.tracer_baked(
             log, exported.tracer_warnings, dynamic=bool(shell.options.dynamic_scalars)
         )
-    process = passes.for_export(
-        _embedding_padding(module), frozenset(shell.options.dynamic_scalars)
-    )
-    info = process(exported.info)
+    info = passes.for_export(padding, dynamic)(exported.info)
     events.emit("export", info)
+    if cached is not None:
+        _to_disk_cache(log, cached, exported, info)
     prefix = logs.save_prefix(shell.options)
     mode = "training" if call.key.training else "inference"
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
     logs.save_onnx(prefix, "post_processed", mode, info.model)
     return info, Timings(export=exported.seconds), exported.numbers_from_tensors
+
+
+def _from_disk_cache(
+    shell: Shell,
+    module: torch.nn.Module,
+    call: Call,
+    padding: dict[str, int],
+    dynamic: frozenset[str],
+) -> PostExportProcessedModelInfo | disk_cache.Slot | None:
+    """The graph from ``Options.cache_dir`` if it holds this key's entry; else where to store
+    it (None: no cache, or this key cannot be cached)."""
+    if not shell.options.cache_dir:
+        return None
+    log = shell.log
+    slot = disk_cache.slot(shell.options.cache_dir, module, call.key, padding, dynamic)
+    if slot.path is None:
+        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, slot.refused)
+        return None
+    entry = disk_cache.load(slot.path, log)
+    if entry is None:
+        log.log(logging.INFO, disk_cache.CACHE_MISS, slot.path)
+        events.emit("disk_cache", "miss", slot.path)
+        return slot
+    log.log(logging.INFO, disk_cache.CACHE_HIT, slot.path)
+    events.emit("disk_cache", "hit", slot.path)
+    if entry.checkpoint_calls:
+        logs.checkpoint_calls(log, entry.checkpoint_calls, shell.options.memory_opt_level)
+    # This call's schema: its requires_grad flags and root are not part of the digest.
+    return attrs.evolve(entry.info, input_schema=call.key.schema)
+
+
+def _to_disk_cache(
+    log: WrapperLog, slot: disk_cache.Slot, exported: Exported, info: PostExportProcessedModelInfo
+) -> None:
+    # Correctness first: a PythonOp names a Python class whose code the digest does not cover,
+    # and a value the tracer baked in came from this run's tensors, not from the key.
+    refused = (
+        f"the graph runs custom autograd Functions ({', '.join(exported.custom_functions)})"
+        if exported.custom_functions
+        else "the tracer baked in values computed from tensors"
+        if exported.tracer_warnings
+        else ""
+    )
+    if refused:
+        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, refused)
+        return
+    assert slot.path is not None
+    disk_cache.store(slot.path, disk_cache.Entry(info, exported.checkpoint_calls), log)
 
 
 def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:

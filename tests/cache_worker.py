@@ -1,0 +1,65 @@
+"""One process of the persistent export cache tests (tests/test_disk_cache.py).
+
+``python -m tests.cache_worker CACHE_DIR OUT`` trains a small transformer-like model for two
+steps through ortfx with ``Options(cache_dir=CACHE_DIR)`` and writes the outputs, gradients and
+the export/cache events to OUT (torch.save), so a cold and a warm process can be compared.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import ortfx
+from ortfx.runtime import events
+
+
+class Block(nn.Module):
+    """Embedding, LayerNorm, attention-free MLP with GELU, a buffer and a dropout-free head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16, padding_idx=0)
+        self.norm = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 32)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.mlp(self.norm(h)) * self.scale
+        return self.head(h)
+
+
+def main(cache_dir: str, out: str) -> None:
+    torch.manual_seed(0)
+    model = Block()
+    wrapped = ortfx.ORTModule(model, options=ortfx.Options(cache_dir=cache_dir))
+    ids = torch.randint(0, 32, (4, 8))
+    outputs = []
+    with events.recording() as seen:
+        for _ in range(2):
+            model.zero_grad()
+            logits = wrapped(ids)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 32), ids.reshape(-1))
+            loss.backward()
+            outputs.append(logits.detach())
+        wrapped.eval()
+        with torch.no_grad():
+            outputs.append(wrapped(ids))
+    torch.save(
+        {
+            "outputs": outputs,
+            "grads": {n: p.grad for n, p in model.named_parameters()},
+            "exports": sum(name == "export" for name, _ in seen),
+            "disk": [(args[0], str(args[1])) for name, args in seen if name == "disk_cache"],
+            "stats_exports": ortfx.stats(wrapped).exports,
+        },
+        out,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
