@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import ortfx
 from ortfx import passes
 from tests.test_parity_paths import _strict
 
@@ -181,3 +182,31 @@ def test_cdist_with_coincident_points(p: float, rows: int) -> None:
     for a, b in zip(model.parameters(), wrapped.parameters(), strict=True):
         assert torch.isfinite(b.grad).all()  # type: ignore[arg-type]
         assert torch.allclose(a.grad, b.grad, atol=5e-5)  # type: ignore[arg-type]
+
+
+class Reductions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h.norm(dim=1) + torch.logsumexp(h, 1) + h.norm() + torch.logsumexp(h, (0, 1))
+
+
+@pytest.mark.parametrize("opset", [12, 17, 18])
+def test_norm_and_logsumexp_train(opset: int) -> None:
+    """``x.norm(dim=1)`` and ``torch.logsumexp`` failed to build a gradient graph at opset 13+
+    (ORT writes an attribute-style Unsqueeze for keepdims=0). Outputs and gradients equal
+    PyTorch's (1e-5)."""
+    torch.manual_seed(0)
+    model = Reductions()
+    options = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE, opset_version=opset)
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=options)
+    x = torch.randn(4, 3)
+    expected, out = model(x), wrapped(x)
+    assert torch.allclose(out, expected, atol=1e-5)
+    expected.sum().backward()
+    out.sum().backward()
+    for a, b in zip(model.parameters(), wrapped.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)  # type: ignore[arg-type]

@@ -257,6 +257,76 @@ def guard_integer_division(model: onnx.ModelProto) -> bool:
     return True
 
 
+# Reductions whose ORT 1.19 gradient builder writes an attribute-style Unsqueeze (opset < 13)
+# when keepdims=0, which an opset 13+ graph rejects ("input size 1 not in range [min=2]").
+_KEEPDIMS_GRAD_BROKEN = frozenset({"ReduceL2", "ReduceLogSumExp"})
+
+
+def _constant_ints(model: onnx.ModelProto, name: str) -> list[int] | None:
+    for node in model.graph.node:
+        if _standard(node, "Constant") and node.output[0] == name:
+            value = next((a for a in node.attribute if a.name == "value"), None)
+            return (
+                None
+                if value is None
+                else [int(v) for v in onnx.numpy_helper.to_array(value.t).ravel()]
+            )
+    for init in model.graph.initializer:
+        if init.name == name:
+            return [int(v) for v in onnx.numpy_helper.to_array(init).ravel()]
+    return None
+
+
+@graph_pass
+def reductions_keep_dims(model: onnx.ModelProto) -> bool:
+    """``ReduceL2``/``ReduceLogSumExp`` with ``keepdims=0`` (``x.norm(dim=1)``,
+    ``torch.logsumexp``) become ``keepdims=1`` and a ``Squeeze`` of the reduced axes, whose
+    gradients ORT builds correctly. Reductions over every axis are reshaped to a scalar."""
+    h = onnx.helper
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for k, node in enumerate(model.graph.node):
+        keep = next((a for a in node.attribute if a.name == "keepdims"), None)
+        if not (
+            node.op_type in _KEEPDIMS_GRAD_BROKEN
+            and node.domain in ("", "ai.onnx")
+            and keep is not None
+            and keep.i == 0
+        ):
+            nodes.append(node)
+            continue
+        attribute_axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
+        axes = attribute_axes
+        if axes is None and len(node.input) > 1 and node.input[1]:
+            axes = _constant_ints(model, node.input[1])
+            if axes is None:  # axes computed in the graph: leave the node as it is
+                nodes.append(node)
+                continue
+        tag = f"ortfx_keepdims_{k}"
+        out = node.output[0]
+        keep.i = 1
+        node.output[0] = f"{tag}_kept"
+        nodes.append(node)
+        if axes and opset < 13:  # Squeeze took its axes as an attribute before opset 13
+            nodes.append(h.make_node("Squeeze", [f"{tag}_kept"], [out], name=tag, axes=axes))
+        elif axes:
+            value = h.make_tensor(f"{tag}_axes_value", onnx.TensorProto.INT64, [len(axes)], axes)
+            nodes.append(h.make_node("Constant", [], [f"{tag}_axes"], name=f"{tag}_a", value=value))
+            nodes.append(h.make_node("Squeeze", [f"{tag}_kept", f"{tag}_axes"], [out], name=tag))
+        else:
+            value = h.make_tensor(f"{tag}_shape_value", onnx.TensorProto.INT64, [0], [])
+            nodes.append(
+                h.make_node("Constant", [], [f"{tag}_shape"], name=f"{tag}_s", value=value)
+            )
+            nodes.append(h.make_node("Reshape", [f"{tag}_kept", f"{tag}_shape"], [out], name=tag))
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
 def _split_cross_entropy(node: onnx.NodeProto, tag: str) -> list[onnx.NodeProto]:
     """LogSoftmax + GatherElements + a masked reduction, equal to SoftmaxCrossEntropyLoss."""
     h, f32, i64 = onnx.helper, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
@@ -964,6 +1034,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
     return chain(
         add_pythonop_ctx,
         guard_integer_division,
+        reductions_keep_dims,
         tanh_as_sigmoid,
         add_layernorm_stats,
         split_cross_entropy,
