@@ -14,6 +14,13 @@ compile included), the per-step times after ``--warmup`` steps, the peak RSS of 
 (and of its children: inductor's compile workers) and the first losses.
 
 Results go to ``bench/results/compare-<stamp>.{jsonl,md,png}``.
+
+``--paired`` measures what a sequential-process run cannot separate from load on a shared
+machine: one process per round builds every backend's model (same seed, same batches) and
+interleaves their steps, step ``i`` of each backend back to back, the order rotating per step.
+A burst of load then hits every backend alike, and the ratio of a round is the median over
+steps of (backend step / eager step of the same index). The first step is still reported, but
+in a process that has already imported and warmed torch for the other backends.
 """
 
 from __future__ import annotations
@@ -117,9 +124,101 @@ def train_steps(
     }
 
 
+def paired_steps(
+    model_name: str,
+    backends: list[str],
+    steps: int,
+    threads: int,
+    seed: int = 0,
+    ortfx_options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Every backend in this process, steps interleaved (order rotated per step); one record
+    per backend in :func:`train_steps`'s form."""
+    import torch
+
+    from bench.models import build
+
+    torch.set_num_threads(threads)
+    runs = []
+    for backend in backends:
+        model, make_batch, loss_fn = build(model_name, seed)
+        runs.append(
+            {
+                "backend": backend,
+                "wrapped": wrap(model, backend, threads, ortfx_options),
+                "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+                "make_batch": make_batch,
+                "loss_fn": loss_fn,
+                "times": [],
+                "cpu": [],
+                "losses": [],
+            }
+        )
+    for step in range(steps):
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            args, kwargs = run["make_batch"](step)
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            loss = run["loss_fn"](run["wrapped"](*args, **kwargs))
+            loss.backward()
+            run["optimizer"].step()
+            run["optimizer"].zero_grad(set_to_none=True)
+            value = float(loss.detach())
+            run["times"].append(time.perf_counter() - t0)
+            run["cpu"].append(time.process_time() - c0)
+            run["losses"].append(value)
+    out = []
+    for run in runs:
+        record: dict[str, Any] = {
+            "model": model_name,
+            "backend": run["backend"],
+            "threads": threads,
+            "torch_threads": torch.get_num_threads(),
+            "steps": steps,
+            "paired": True,
+            "first_step_s": run["times"][0],
+            "step_times_s": run["times"],
+            "step_cpu_s": run["cpu"],
+            "losses": run["losses"],
+            "peak_rss_mb": common.peak_rss_mb(),
+            "peak_rss_children_mb": common.peak_rss_mb(common.resource.RUSAGE_CHILDREN),
+        }
+        if run["backend"] == "ortfx":
+            import ortfx
+
+            s = ortfx.stats(run["wrapped"])
+            record["ortfx_stats"] = {"calls": s.calls, "exports": s.exports}
+        out.append(record)
+    return out
+
+
 def worker(ns: argparse.Namespace) -> None:
     common.pin(ns.pin)
     common.quiet()
+    if ns.paired:
+        backends = ns.backend.split(",")
+        try:
+            results = paired_steps(
+                ns.model, backends, ns.steps, ns.threads, ns.seed, parse_options(ns.ortfx_option)
+            )
+            for r in results:
+                r["ok"] = True
+        except BaseException as e:  # one failing backend fails the paired round: report it
+            import traceback
+
+            results = [
+                {
+                    "model": ns.model,
+                    "backend": b,
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                    "traceback": traceback.format_exc()[-4000:],
+                }
+                for b in backends
+            ]
+        Path(ns.out).write_text(json.dumps(results))
+        return
     try:
         result = train_steps(
             ns.model, ns.backend, ns.steps, ns.threads, ns.seed, parse_options(ns.ortfx_option)
@@ -155,10 +254,12 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
 # ---- parent ---------------------------------------------------------------------------------
 
 
-def run_one(model: str, backend: str, ns: argparse.Namespace, log: Path) -> dict[str, Any]:
+def run_one(model: str, backend: str, ns: argparse.Namespace, log: Path) -> Any:
+    """One worker process; ``backend`` is a comma-separated list in paired mode, and the
+    result then a list of records."""
     env = common.thread_env(ns.threads)
     cache: str | None = None
-    if backend == "compile" and ns.compile_cache == "fresh":
+    if "compile" in backend.split(",") and ns.compile_cache == "fresh":
         cache = tempfile.mkdtemp(prefix="inductor-bench-")
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -170,6 +271,8 @@ def run_one(model: str, backend: str, ns: argparse.Namespace, log: Path) -> dict
     ]  # fmt: skip
     if ns.pin is not None:
         cmd += ["--pin", str(ns.pin)]
+    if ns.paired:
+        cmd.append("--paired")
     for opt in ns.ortfx_option:
         cmd += ["--ortfx-option", opt]
     start = time.perf_counter()
@@ -191,12 +294,22 @@ def run_one(model: str, backend: str, ns: argparse.Namespace, log: Path) -> dict
         Path(out).unlink(missing_ok=True)
         if cache:
             shutil.rmtree(cache, ignore_errors=True)
-    result["wall_s"] = time.perf_counter() - start
+    if ns.paired and isinstance(result, dict):  # the worker died: one failed record per backend
+        result = [{**result, "backend": b} for b in backend.split(",")]
+    wall = time.perf_counter() - start
+    for r in result if isinstance(result, list) else [result]:
+        r["wall_s"] = wall
     return result
 
 
 def steady(r: dict[str, Any], warmup: int, key: str = "step_times_s") -> list[float]:
     return list(r.get(key, [])[warmup:])
+
+
+def per_step_ratio(r: dict[str, Any], e: dict[str, Any], warmup: int, key: str) -> float:
+    """Median over steps of backend step / eager step of the same index (paired mode)."""
+    pairs = zip(steady(r, warmup, key), steady(e, warmup, key), strict=True)
+    return common.median([a / b for a, b in pairs])
 
 
 def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
@@ -230,10 +343,18 @@ def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
                 e = eager.get(r["round"])
                 if e is None:
                     continue
-                ratios.append(common.median(steady(r, warmup)) / common.median(steady(e, warmup)))
-                cpu_r = common.median(steady(r, warmup, "step_cpu_s"))
-                cpu_e = common.median(steady(e, warmup, "step_cpu_s"))
-                cpu_ratios.append(cpu_r / cpu_e)
+                if r.get("paired"):  # same step index, back to back: ratio per step
+                    ratios.append(per_step_ratio(r, e, warmup, "step_times_s"))
+                    cpu_ratios.append(per_step_ratio(r, e, warmup, "step_cpu_s"))
+                else:
+                    med_r, med_e = (
+                        common.median(steady(r, warmup)),
+                        common.median(steady(e, warmup)),
+                    )
+                    ratios.append(med_r / med_e)
+                    cpu_r = common.median(steady(r, warmup, "step_cpu_s"))
+                    cpu_e = common.median(steady(e, warmup, "step_cpu_s"))
+                    cpu_ratios.append(cpu_r / cpu_e)
                 n = min(N_LOSSES, len(r["losses"]), len(e["losses"]))
                 loss_diffs.append(
                     max(abs(a - b) for a, b in zip(r["losses"][:n], e["losses"][:n], strict=False))
@@ -269,10 +390,19 @@ def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str,
         "",
         f"{ns.rounds} rounds x {ns.steps} steps, AdamW, {ns.threads} thread(s)"
         f"{f', ortfx options {parse_options(ns.ortfx_option)}' if ns.ortfx_option else ''}"
-        f"{f', pinned to cpu {ns.pin}' if ns.pin is not None else ''}; fresh process per "
-        f"(round, backend), backend order rotated per round; step times exclude the first "
-        f"{ns.warmup} steps; ratio = backend median / eager median of the same round, median "
-        f"(min-max) over rounds; first step includes export/compile"
+        f"{f', pinned to cpu {ns.pin}' if ns.pin is not None else ''}; "
+        + (
+            "PAIRED: one process per round with every backend, steps interleaved (order "
+            "rotated per step); ratio = median over steps of backend step / eager step of the "
+            "same index, median (min-max) over rounds; first step includes export/compile but "
+            "runs in a process already warmed by the other backends; peak RSS is the shared "
+            "process's"
+            if ns.paired
+            else "fresh process per (round, backend), backend order rotated per round; ratio = "
+            "backend median / eager median of the same round, median (min-max) over rounds; "
+            "first step includes export/compile"
+        )
+        + f"; step times exclude the first {ns.warmup} steps"
         f"{' (inductor cache fresh per process)' if ns.compile_cache == 'fresh' else ''}; "
         "CPU ratio = the same with the process's CPU time per step (time spent descheduled by "
         "other load on a shared machine is not counted); "
@@ -372,8 +502,14 @@ def parent(ns: argparse.Namespace) -> None:
     for model in models:
         for rnd in range(ns.rounds):
             k = rnd % len(backends)
-            for backend in backends[k:] + backends[:k]:
-                r = run_one(model, backend, ns, log)
+            order = backends[k:] + backends[:k]
+            results = (
+                run_one(model, ",".join(order), ns, log)
+                if ns.paired
+                else [run_one(model, b, ns, log) for b in order]
+            )
+            for r in results:
+                backend = r["backend"]
                 r["round"] = rnd
                 records.append(r)
                 with jsonl.open("a") as f:
@@ -443,6 +579,11 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="an ortfx.Options field for the ortfx backend, e.g. enable_compute_optimizer=false",
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="one process per round with every backend, steps interleaved (see above)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per worker, seconds")

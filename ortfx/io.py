@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
@@ -228,6 +229,22 @@ def _register_node_type(cls: type) -> bool:
     register(cls, flatten, unflatten, namespace=NAMESPACE)
     _registered.add(cls)
     return True
+
+
+def registered_types() -> tuple[tuple[str, str], ...]:
+    """``(module, qualname)`` of every container type registered so far (for pickled specs)."""
+    return tuple(sorted((cls.__module__, cls.__qualname__) for cls in _registered))
+
+
+def register_types(names: Sequence[tuple[str, str]], /) -> None:
+    """Import and register the types :func:`registered_types` named in another process, so
+    that a treespec pickled there can be loaded here (optree refuses unknown node types)."""
+    for module_name, qualname in names:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, type) or not (_register_node_type(obj) or obj in _registered):
+            raise TypeError(f"{module_name}.{qualname} is not a container type ortfx registers")
 
 
 def _is_plain_leaf(leaf: Any) -> bool:

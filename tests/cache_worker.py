@@ -1,7 +1,8 @@
 """One process of the persistent export cache tests (tests/test_disk_cache.py).
 
-``python -m tests.cache_worker CACHE_DIR OUT`` trains a small transformer-like model for two
-steps through ortfx with ``Options(cache_dir=CACHE_DIR)`` and writes the outputs, gradients and
+``python -m tests.cache_worker CACHE_DIR OUT [gpt2]`` trains a small transformer-like model (or a
+tiny Hugging Face GPT-2, whose output is a ``ModelOutput`` and whose mask code makes the tracer
+bake in values computed from sizes) for two steps through ortfx with ``Options(cache_dir=CACHE_DIR)`` and writes the outputs, gradients and
 the export/cache events to OUT (torch.save), so a cold and a warm process can be compared.
 """
 
@@ -33,9 +34,19 @@ class Block(nn.Module):
         return self.head(h)
 
 
-def main(cache_dir: str, out: str) -> None:
+def _gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def main(cache_dir: str, out: str, which: str = "block") -> None:
     torch.manual_seed(0)
-    model = Block()
+    model = _gpt2() if which == "gpt2" else Block()
     wrapped = ortfx.ORTModule(model, options=ortfx.Options(cache_dir=cache_dir))
     ids = torch.randint(0, 32, (4, 8))
     outputs = []
@@ -43,12 +54,15 @@ def main(cache_dir: str, out: str) -> None:
         for _ in range(2):
             model.zero_grad()
             logits = wrapped(ids)
+            if which == "gpt2":
+                logits = logits.logits
             loss = nn.functional.cross_entropy(logits.reshape(-1, 32), ids.reshape(-1))
             loss.backward()
             outputs.append(logits.detach())
         wrapped.eval()
         with torch.no_grad():
-            outputs.append(wrapped(ids))
+            result = wrapped(ids)
+            outputs.append(result.logits if which == "gpt2" else result)
     torch.save(
         {
             "outputs": outputs,
@@ -62,4 +76,4 @@ def main(cache_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 240
 
 
-def _worker(cache_dir: Path, out: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "tests.cache_worker", str(cache_dir), str(out)]
+def _worker(cache_dir: Path, out: Path, which: str = "block") -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "tests.cache_worker", str(cache_dir), str(out), which]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -64,6 +64,24 @@ def test_warm_process_skips_export_and_trains_identically(tmp_path: Path) -> Non
     for a, b in zip(cold["outputs"], warm["outputs"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert cold["grads"].keys() == warm["grads"].keys()
+    for name, grad in cold["grads"].items():
+        torch.testing.assert_close(warm["grads"][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_warm_process_hugging_face_model(tmp_path: Path) -> None:
+    """A transformers model is cached too: its output type (a ``ModelOutput``) is registered
+    in the warm process before the entry's specs load, and the values transformers' mask code
+    computes from sizes (tracer warnings in an installed library) do not refuse the entry,
+    since the in-memory cache reuses such graphs for every size as well."""
+    cache = tmp_path / "cache"
+    _finish(_worker(cache, tmp_path / "cold.pt", "gpt2"))
+    _finish(_worker(cache, tmp_path / "warm.pt", "gpt2"))
+    cold = torch.load(tmp_path / "cold.pt")
+    warm = torch.load(tmp_path / "warm.pt")
+    assert [kind for kind, _ in cold["disk"]] == ["miss", "miss"]
+    assert (warm["exports"], [kind for kind, _ in warm["disk"]]) == (0, ["hit", "hit"])
+    for a, b in zip(cold["outputs"], warm["outputs"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     for name, grad in cold["grads"].items():
         torch.testing.assert_close(warm["grads"][name], grad, rtol=0, atol=0, msg=name)
 
@@ -220,6 +238,52 @@ def test_custom_function_graph_is_not_stored(tmp_path: Path) -> None:
 
     assert _run(WithFunction(), tmp_path)[:2] == (["miss"], 1)
     assert not list(tmp_path.iterdir())
+
+
+class Branches(nn.Module):
+    """Branches on a tensor's values in the user's own code: the tracer bakes the branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if bool(y.sum() > -1e9) else y
+
+
+class ReturnsSize(nn.Module):
+    """Returns a Python number taken from a tensor: the graph is pinned to its sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.lin(x), int(x.shape[0])
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (Branches, "the tracer baked in a branch on tensor values"),
+        (ReturnsSize, "the graph returns Python numbers computed from tensors"),
+    ],
+)
+def test_values_from_this_runs_tensors_are_not_stored(
+    tmp_path: Path, model: type[nn.Module], why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the tracer took from this run's tensor values is not in the key: not stored, and
+    the log says why."""
+    caplog.set_level(logging.INFO, logger="ortfx")
+    torch.manual_seed(0)
+    options = ortfx.Options(cache_dir=str(tmp_path), log_level=ortfx.LogLevel.INFO)
+    wrapped = ortfx.ORTModule(model(), options=options)
+    with events.recording() as seen:
+        wrapped(torch.randn(5, 4))
+    assert (_disk_events(seen), _exports(seen)) == (["miss"], 1)
+    assert not list(tmp_path.iterdir())
+    assert any(f"export cache not used: {why}" in r.getMessage() for r in caplog.records)
 
 
 def test_environment_variable_sets_the_directory(tmp_path: Path) -> None:

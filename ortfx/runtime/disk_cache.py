@@ -34,12 +34,13 @@ import attrs
 import onnx
 import torch
 
+from ortfx import io
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.runtime.logs import WrapperLog
 from ortfx.transitions import ExportKey
 
 # Bump when the stored record or the digest text changes meaning.
-FORMAT = b"ortfx-export-cache 1\n"
+FORMAT = b"ortfx-export-cache 2\n"
 
 CACHE_HIT = "export cache hit: %s (no export)"
 CACHE_MISS = "export cache miss: %s (exporting)"
@@ -232,7 +233,11 @@ def load(path: Path, log: WrapperLog) -> Entry | None:
             raise ValueError("not an ortfx cache file of this format")
         if hashlib.sha256(payload).hexdigest().encode() != checksum:
             raise ValueError("checksum mismatch")
-        entry = pickle.loads(payload)
+        # The container types of the call and output specs first: optree unpickles a spec only
+        # when its node types are registered in this process.
+        types, body = pickle.loads(payload)
+        io.register_types(types)
+        entry = pickle.loads(body)
         if not isinstance(entry, Entry):
             raise ValueError(f"holds a {type(entry).__name__}")
     except Exception as e:  # any damage at all: re-export instead of failing the call
@@ -243,7 +248,8 @@ def load(path: Path, log: WrapperLog) -> Entry | None:
 
 def store(path: Path, entry: Entry, log: WrapperLog) -> None:
     """Write ``entry`` atomically: a reader sees the old file, no file, or the whole new one."""
-    payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+    body = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = pickle.dumps((io.registered_types(), body), protocol=pickle.HIGHEST_PROTOCOL)
     data = FORMAT + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
     temp = None
     try:

@@ -47,7 +47,14 @@ from ortfx.errors import (
     OrtfxTorchModelError,
     OrtfxWarning,
 )
-from ortfx.export import Exported, export, exporting, raise_if_pytorch_raises, resolve_exporter
+from ortfx.export import (
+    BRANCH,
+    Exported,
+    export,
+    exporting,
+    raise_if_pytorch_raises,
+    resolve_exporter,
+)
 from ortfx.io import STATIC_TYPES
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -587,7 +594,9 @@ def _export(
     info = passes.for_export(padding, dynamic)(exported.info)
     events.emit("export", info)
     if cached is not None:
-        _to_disk_cache(log, cached, exported, info)
+        _to_disk_cache(
+            log, cached, exported, info, dynamic_scalars=bool(shell.options.dynamic_scalars)
+        )
     prefix = logs.save_prefix(shell.options)
     mode = "training" if call.key.training else "inference"
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
@@ -625,15 +634,27 @@ def _from_disk_cache(
 
 
 def _to_disk_cache(
-    log: WrapperLog, slot: disk_cache.Slot, exported: Exported, info: PostExportProcessedModelInfo
+    log: WrapperLog,
+    slot: disk_cache.Slot,
+    exported: Exported,
+    info: PostExportProcessedModelInfo,
+    *,
+    dynamic_scalars: bool,
 ) -> None:
-    # Correctness first: a PythonOp names a Python class whose code the digest does not cover,
-    # and a value the tracer baked in came from this run's tensors, not from the key.
+    # Correctness first: a PythonOp names a Python class whose code the digest does not cover;
+    # a branch on tensor values or a Python number taken from a tensor came from this run's
+    # tensors, not from the key. Values computed from sizes (transformers' mask code) are as
+    # safe here as in the in-memory cache, which reuses the graph for every size.
+    branches = [w for w in exported.tracer_warnings if w.startswith(BRANCH)]
     refused = (
         f"the graph runs custom autograd Functions ({', '.join(exported.custom_functions)})"
         if exported.custom_functions
-        else "the tracer baked in values computed from tensors"
-        if exported.tracer_warnings
+        else "the graph returns Python numbers computed from tensors"
+        if exported.numbers_from_tensors
+        else f"the tracer baked in a branch on tensor values ({branches[0]})"
+        if branches
+        else "the tracer baked in values while scalars are fed as tensors (dynamic_scalars)"
+        if exported.tracer_warnings and dynamic_scalars
         else ""
     )
     if refused:
