@@ -118,7 +118,7 @@ def parent(ns: argparse.Namespace) -> None:
         f"first step - median of the next {ns.steps} steps. Medians (min-max) over {ns.rounds} "
         "rounds.",
         "",
-        "| run | first step s | later step s | setup s | wrap s | disk cache |",
+        "| run | first step s | later step s | setup s | import ortfx + wrap s | disk cache |",
         "|---|---|---|---|---|---|",
     ]
     for kind in ("eager", "cold", "warm"):

@@ -800,19 +800,25 @@ def export(
             traced as calls,
             functions_called(profile=dynamo) as functions,
         ):
+            retry = False
             try:
                 model = exporter(flat, tensors, input_names, options.opset_version)
             except Exception as e:
-                if not dynamo and _CONSTANT_NEEDS_GRAD in str(e):
-                    # Likely a custom Function's forward using a tensor that requires grad
-                    # without taking it as an input: trace again without Function bodies
-                    # (only then: the profile hook slows tracing by about a tenth).
-                    flat = _FlatCall(module, leaves, schema)
-                    calls[0] = 0
-                    with function_bodies_untraced():
-                        model = exporter(flat, tensors, input_names, options.opset_version)
-                elif not (dynamo and functions):
+                # Likely a custom Function's forward using a tensor that requires grad without
+                # taking it as an input: trace again without Function bodies (only then: the
+                # profile hook slows tracing by about a tenth).
+                retry = not dynamo and _CONSTANT_NEEDS_GRAD in str(e)
+                if not (retry or (dynamo and functions)):
                     raise
+            if retry:
+                # The first attempt's exception holds its frames, whose locals hold `flat`,
+                # which holds the exception: break that cycle, or the frames of this whole call
+                # (with the call's outputs and their autograd contexts) live until a GC pass.
+                flat.raised = None
+                flat = _FlatCall(module, leaves, schema)
+                calls[0] = 0
+                with function_bodies_untraced():
+                    model = exporter(flat, tensors, input_names, options.opset_version)
             if functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(CUSTOM_FUNCTIONS_DISABLED.format(names=_names(functions)))
             if functions and dynamo:

@@ -183,10 +183,19 @@ def state_sources(call: Any, /) -> Iterator[None]:
         _SOURCES.reset(token)
 
 
+def _may_hold_states(call: CallTree) -> bool:
+    """Whether a call can hold state objects at all: not without transformers, nor when every
+    argument is a tensor or a plain value (the common call, which then skips the tree walk)."""
+    if "transformers.cache_utils" not in sys.modules:
+        return False
+    args, kwargs = call
+    return not all(map(_is_plain_leaf, (*args, *kwargs.values())))
+
+
 @contextlib.contextmanager
-def originals(call: Any, /) -> Iterator[None]:
+def originals(call: CallTree, /) -> Iterator[None]:
     """Around a call: outputs restored from a graph write into the caller's state objects."""
-    found = tuple(states(call)) if "transformers.cache_utils" in sys.modules else ()
+    found = tuple(states(call)) if _may_hold_states(call) else ()
     token = _ORIGINALS.set(found or None)
     try:
         yield

@@ -434,16 +434,23 @@ class TrainingRunner:
             raise _feed_error(self.info, graph_inputs, e) from e
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
-        with (
-            _serialized(self.python_ops),
-            pythonop.training_run() as contexts,
-            memgrad.feeding(fed),
-        ):
+        contexts: list[int] = []
+        if not (self.python_ops or fed):  # no Python in the graph: no thread state to set
             try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
             except Exception as e:
-                pythonop.release(contexts)
                 raise _run_failed("forward", graph_inputs, e) from e
+        else:
+            with (
+                _serialized(self.python_ops),
+                pythonop.training_run() as contexts,
+                memgrad.feeding(fed),
+            ):
+                try:
+                    self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+                except Exception as e:
+                    pythonop.release(contexts)
+                    raise _run_failed("forward", graph_inputs, e) from e
         trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
         return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
 
@@ -470,15 +477,22 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        with (
-            _serialized(self.python_ops),
-            memgrad.accumulating(self.owned_grads),
-            memgrad.feeding(run_state.fed),
-        ):
+        if not (self.python_ops or run_state.fed):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
                 raise _run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
+        else:
+            with (
+                _serialized(self.python_ops),
+                memgrad.accumulating(self.owned_grads),
+                memgrad.feeding(run_state.fed),
+            ):
+                try:
+                    self.agent.run_backward(feeds, fetches, run_state.state)
+                except Exception as e:
+                    failed = [g for g in grad_outputs if g is not None]
+                    raise _run_failed("backward", failed, e) from e
         grads: list[torch.Tensor | None] = list(_to_torch(fetches))
         if trigger is not None:
             # The trigger's own gradient, last among ORT's (it is the last graph input).
