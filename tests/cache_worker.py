@@ -1,8 +1,9 @@
 """One process of the persistent export cache tests (tests/test_disk_cache.py).
 
-``python -m tests.cache_worker CACHE_DIR OUT [gpt2]`` trains a small transformer-like model (or a
-tiny Hugging Face GPT-2, whose output is a ``ModelOutput`` and whose mask code makes the tracer
-bake in values computed from sizes) for two steps through ortfx with ``Options(cache_dir=CACHE_DIR)`` and writes the outputs, gradients and
+``python -m tests.cache_worker CACHE_DIR OUT [gpt2|index_add]`` trains a small transformer-like
+model (or a tiny Hugging Face GPT-2, whose output is a ``ModelOutput`` and whose mask code makes
+the tracer bake in values computed from sizes; or a module whose ``index_add`` runs in torch
+inside the graph) for two steps through ortfx with ``Options(cache_dir=CACHE_DIR)`` and writes the outputs, gradients and
 the export/cache events to OUT (torch.save), so a cold and a warm process can be compared.
 """
 
@@ -34,6 +35,18 @@ class Block(nn.Module):
         return self.head(h)
 
 
+class IndexAdd(nn.Module):
+    """``index_add`` runs in torch inside the graph (an ATen node with a gradient definition)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.lin(ids.float())
+        return torch.zeros(4, 32).index_add(0, ids[:, 0] % 4, rows).repeat(1, 8).reshape(4, 8, 32)
+
+
 def _gpt2() -> nn.Module:
     import transformers
 
@@ -46,7 +59,7 @@ def _gpt2() -> nn.Module:
 
 def main(cache_dir: str, out: str, which: str = "block") -> None:
     torch.manual_seed(0)
-    model = _gpt2() if which == "gpt2" else Block()
+    model = {"gpt2": _gpt2, "index_add": IndexAdd}.get(which, Block)()
     wrapped = ortfx.ORTModule(model, options=ortfx.Options(cache_dir=cache_dir))
     ids = torch.randint(0, 32, (4, 8))
     outputs = []

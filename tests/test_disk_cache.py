@@ -68,14 +68,17 @@ def test_warm_process_skips_export_and_trains_identically(tmp_path: Path) -> Non
         torch.testing.assert_close(warm["grads"][name], grad, rtol=0, atol=0, msg=name)
 
 
-def test_warm_process_hugging_face_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["gpt2", "index_add"])
+def test_warm_process_hugging_face_model_and_aten_ops(tmp_path: Path, which: str) -> None:
     """A transformers model is cached too: its output type (a ``ModelOutput``) is registered
     in the warm process before the entry's specs load, and the values transformers' mask code
     computes from sizes (tracer warnings in an installed library) do not refuse the entry,
-    since the in-memory cache reuses such graphs for every size as well."""
+    since the in-memory cache reuses such graphs for every size as well. A graph with ops run
+    by torch (ATen nodes) gets its executor and gradient definitions in the warm process, which
+    never exported."""
     cache = tmp_path / "cache"
-    _finish(_worker(cache, tmp_path / "cold.pt", "gpt2"))
-    _finish(_worker(cache, tmp_path / "warm.pt", "gpt2"))
+    _finish(_worker(cache, tmp_path / "cold.pt", which))
+    _finish(_worker(cache, tmp_path / "warm.pt", which))
     cold = torch.load(tmp_path / "cold.pt")
     warm = torch.load(tmp_path / "warm.pt")
     assert [kind for kind, _ in cold["disk"]] == ["miss", "miss"]

@@ -19,6 +19,7 @@ import onnx
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
+from ortfx import aten
 from ortfx.errors import (
     CUDA_PROVIDER_MISSING,
     EMPTY_TENSOR_TRAINING,
@@ -550,6 +551,22 @@ def _gather_per_layer(model: bytes) -> bytes:
     return edited
 
 
+def _install_aten(model: bytes) -> None:
+    """A graph with ops run by torch (ATen nodes) needs the executor and their gradient
+    definitions registered in this process: an export registers them, but a graph loaded from
+    the persistent export cache was not exported here."""
+    if aten.DOMAIN.encode() in model and not aten.install():
+        raise OrtfxInitError(ATEN_NEEDS_BRIDGE)
+
+
+ATEN_NEEDS_BRIDGE = (
+    "this graph runs ops in torch inside ONNX Runtime (ATen nodes, e.g. histc, ctc_loss, "
+    "index_add), which needs ortfx's compiled bridge (ortfx._bridge), and it is not built; "
+    "reinstall ortfx from source with a C++ compiler (pip install -e .) or run `make test`, "
+    "which builds it."
+)
+
+
 def open_training(
     info: PostExportProcessedModelInfo,
     device: torch.device,
@@ -568,6 +585,7 @@ def open_training(
     require_ort()
     functions = pythonop_functions(info.model)
     pythonop.prepare(functions)
+    _install_aten(info.model)
     start = time.perf_counter()
     config = C.OrtModuleGraphBuilderConfiguration()
     config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
@@ -712,6 +730,7 @@ def open_inference(
     require_ort()
     functions = pythonop_functions(info.model)
     pythonop.prepare(functions)
+    _install_aten(info.model)
     start = time.perf_counter()
     if save_prefix:
         with open(f"{save_prefix}_execution_model_inference.onnx", "wb") as f:
