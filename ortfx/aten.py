@@ -97,6 +97,12 @@ def _index_add_backward(
     return grad.index_select(dim, index).reshape(source.shape) * alpha
 
 
+def _log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch's fused log-softmax gradient (``passes.log_softmax_grad_in_torch``)."""
+    result: torch.Tensor = torch.ops.aten._log_softmax_backward_data(grad, output, dim, grad.dtype)
+    return result
+
+
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
 _INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
 
@@ -110,6 +116,8 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # CTC loss (wav2vec2 and other CTC heads)
     ("ctc_loss", ""): Routed(_ctc_loss, _CTC),
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
+    # ORT's LogSoftmaxGrad kernel is about twice as slow as torch's (gradient-model pass)
+    ("_log_softmax_backward_data", ""): Routed(_log_softmax_backward, ("tensor", "tensor", "int")),
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),

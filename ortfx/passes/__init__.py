@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import onnx
 
+from ortfx import aten
 from ortfx.errors import (
     UNSUPPORTED_OP,
     VALUE_DEPENDENT_CONTROL_FLOW,
@@ -848,6 +849,44 @@ def owned_gradients(model: onnx.ModelProto, function: str) -> frozenset[int]:
 def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
     values = [*graph.value_info, *graph.input, *graph.output]
     return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+
+
+def log_softmax_grad_in_torch(model: onnx.ModelProto) -> bool:
+    """In a gradient model: each float32 ``LogSoftmaxGrad_13(dY, Y)`` runs torch's
+    ``_log_softmax_backward_data`` through the ATen executor instead.
+
+    The same arithmetic (``dY - exp(Y) * sum(dY)`` along the axis), but ORT's CPU kernel takes
+    about twice torch's time: 45 against 22 ms for a [1024, 8192] loss gradient (GPT-2's
+    vocabulary), 5 % of a training step. Tensors cross by DLPack, without copies.
+    """
+    h = onnx.helper
+    types = _elem_types(model.graph)
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "LogSoftmaxGrad_13" or node.domain != "com.microsoft":
+            continue
+        dtype = types.get(node.output[0]) or types.get(node.input[0])
+        if dtype != onnx.TensorProto.FLOAT:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        tag = f"{node.name or f'LogSoftmaxGrad_{i}'}_torch"
+        model.graph.initializer.append(
+            h.make_tensor(f"{tag}_dim", onnx.TensorProto.INT64, [], [axis])
+        )
+        replacement = h.make_node(
+            "ATen",
+            [node.input[0], node.input[1], f"{tag}_dim"],
+            list(node.output),
+            name=tag,
+            domain=aten.DOMAIN,
+            operator="_log_softmax_backward_data",
+            overload_name="",
+        )
+        node.CopyFrom(replacement)
+        changed = True
+    if changed and not any(o.domain == aten.DOMAIN for o in model.opset_import):
+        model.opset_import.append(h.make_opsetid(aten.DOMAIN, 1))
+    return changed
 
 
 def relu_grad_passes_nan(model: onnx.ModelProto) -> bool:
