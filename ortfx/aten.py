@@ -103,6 +103,24 @@ def _log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int) ->
     return result
 
 
+def _layer_norm_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    mean: torch.Tensor,
+    inv_std: torch.Tensor,
+    axis: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's layer-norm gradient for ORT's ``LayerNormalizationGrad`` operands
+    (``passes.layer_norm_grad_in_torch``). The bias's value takes no part in any gradient; the
+    scale stands in for it (torch's kernel wants a defined tensor there)."""
+    shape = list(x.shape[axis:])
+    dx, dscale, dbias = torch.ops.aten.native_layer_norm_backward(
+        grad, x, shape, mean, inv_std, scale, scale, [True, True, True]
+    )
+    return dx, dscale, dbias
+
+
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
 _INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
 
@@ -118,6 +136,9 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
     # ORT's LogSoftmaxGrad kernel is about twice as slow as torch's (gradient-model pass)
     ("_log_softmax_backward_data", ""): Routed(_log_softmax_backward, ("tensor", "tensor", "int")),
+    ("native_layer_norm_backward", ""): Routed(
+        _layer_norm_backward, ("tensor",) * 5 + ("int",), outputs=3
+    ),
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),

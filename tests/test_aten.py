@@ -223,3 +223,56 @@ def test_log_softmax_gradient_runs_in_torch(dim: int, monkeypatch: pytest.Monkey
         for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
             assert torch.allclose(p.grad, q.grad, atol=1e-5), name  # type: ignore[arg-type]
     assert len(calls) == 2 * 3  # two log-softmax gradients per backward
+
+
+@pytest.mark.parametrize(
+    ("shape", "affine", "bias", "rewritten"),
+    [
+        ((8,), True, True, 1),
+        ((3, 8), True, True, 1),  # normalized over the last two axes
+        ((8,), True, False, None),  # no bias gradient wanted: may stay ORT's
+        ((8,), False, False, None),
+    ],
+)
+def test_layer_norm_gradient_runs_in_torch(
+    shape: tuple[int, ...],
+    affine: bool,
+    bias: bool,
+    rewritten: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ORT's LayerNormalizationGrad is several times slower than torch's kernel: the gradient
+    model runs torch's (``passes.layer_norm_grad_in_torch``) where all three gradients are
+    wanted. Input and parameter gradients equal PyTorch's within 1e-5 over changing batch
+    sizes, for every LayerNorm variant; the torch kernel is counted where it must run."""
+    from ortfx import aten
+
+    key = ("native_layer_norm_backward", "")
+    routed = aten.ROUTED[key]
+    calls: list[int] = []
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return routed.function(*args)
+
+    monkeypatch.setitem(aten.ROUTED, key, aten.Routed(counted, routed.arguments, routed.outputs))
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(shape, elementwise_affine=affine, bias=bias)
+    if affine:
+        torch.nn.init.normal_(norm.weight)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), norm, torch.nn.Linear(8, 4))
+    if len(shape) == 2:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), norm, torch.nn.Flatten(-2))
+    strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=strict)
+    for batch in (5, 7):
+        x = torch.randn(batch, 3, 8) if len(shape) == 2 else torch.randn(batch, 8)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        weights = torch.linspace(-1, 1, 4 if len(shape) == 1 else 24)
+        (model(xa) * weights).sum().backward()
+        (wrapped(xb) * weights).sum().backward()
+        assert torch.allclose(xa.grad, xb.grad, atol=1e-5)  # type: ignore[arg-type]
+        for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, atol=1e-5), name  # type: ignore[arg-type]
+    if rewritten is not None:
+        assert len(calls) == 2 * rewritten

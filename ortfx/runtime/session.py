@@ -523,19 +523,22 @@ def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
 
 def _gradient_passes(model: bytes, *, fed_params: bool) -> bytes:
     """Edits of ORT's gradient model: torch's NaN semantics for ``ReluGrad``
-    (:func:`ortfx.passes.relu_grad_passes_nan`), torch's log-softmax gradient
-    (:func:`ortfx.passes.log_softmax_grad_in_torch`) and, for memory-efficient gradients,
+    (:func:`ortfx.passes.relu_grad_passes_nan`), torch's log-softmax and layer-norm gradients
+    (:func:`ortfx.passes.log_softmax_grad_in_torch`, :func:`ortfx.passes.layer_norm_grad_in_torch`)
+    and, for memory-efficient gradients,
     :func:`ortfx.passes.feeds_after_readers`. The model is parsed only if one applies."""
     from ortfx import passes
 
     relu = b"ReluGrad" in model
     # torch's log-softmax gradient through the ATen executor, when the bridge is built
     log_softmax = b"LogSoftmaxGrad_13" in model and aten.install()
-    if not (relu or log_softmax or fed_params):
+    layer_norm = b"LayerNormalizationGrad" in model and aten.install()
+    if not (relu or log_softmax or layer_norm or fed_params):
         return model
     proto = onnx.load_model_from_string(model)
     changed = relu and passes.relu_grad_passes_nan(proto)
     changed = (log_softmax and passes.log_softmax_grad_in_torch(proto)) or changed
+    changed = (layer_norm and passes.layer_norm_grad_in_torch(proto)) or changed
     if fed_params:
         changed = passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME) or changed
     if not changed:
