@@ -12,9 +12,10 @@ counts; its input never requires grad in the models that use it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 import attrs
@@ -103,24 +104,6 @@ def _log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int) ->
     return result
 
 
-def _layer_norm_backward(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    mean: torch.Tensor,
-    inv_std: torch.Tensor,
-    axis: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch's layer-norm gradient for ORT's ``LayerNormalizationGrad`` operands
-    (``passes.layer_norm_grad_in_torch``). The bias's value takes no part in any gradient; the
-    scale stands in for it (torch's kernel wants a defined tensor there)."""
-    shape = list(x.shape[axis:])
-    dx, dscale, dbias = torch.ops.aten.native_layer_norm_backward(
-        grad, x, shape, mean, inv_std, scale, scale, [True, True, True]
-    )
-    return dx, dscale, dbias
-
-
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
 _INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
 
@@ -136,9 +119,6 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
     # ORT's LogSoftmaxGrad kernel is about twice as slow as torch's (gradient-model pass)
     ("_log_softmax_backward_data", ""): Routed(_log_softmax_backward, ("tensor", "tensor", "int")),
-    ("native_layer_norm_backward", ""): Routed(
-        _layer_norm_backward, ("tensor",) * 5 + ("int",), outputs=3
-    ),
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),
@@ -187,6 +167,29 @@ def is_tensor_argument(op: str, overload: str, index: int, is_input: bool) -> bo
     return ROUTED[(op, overload)].arguments[index] == "tensor"
 
 
+_RUN = threading.local()
+
+
+@contextlib.contextmanager
+def keeping() -> Iterator[list[Any]]:
+    """Around an ORT run of a graph with ATen nodes: the tensors those nodes were given are
+    kept (in the yielded list) until the caller drops it, instead of being released when the
+    node returns.
+
+    Releasing an input's DLPack view as the node returns corrupted later reads of ORT buffers in
+    the same run (measured: wav2vec2 with pre-norm layers and the layer-norm gradient in torch
+    got a wrong attention bias gradient, off by 0.5; keeping the views alive gave PyTorch's).
+    A forward's list lives with its run state, until the backward is done.
+    """
+    before = getattr(_RUN, "kept", None)
+    kept: list[Any] = []
+    _RUN.kept = kept
+    try:
+        yield kept
+    finally:
+        _RUN.kept = before
+
+
 def execute(op: str, overload: str, inputs: Sequence[Any], n_out: int) -> list[Any]:
     """Run ``aten::op.overload`` on DLPack capsules; return one capsule per output."""
     routed = ROUTED[(op, overload)]
@@ -196,6 +199,9 @@ def execute(op: str, overload: str, inputs: Sequence[Any], n_out: int) -> list[A
         if value is not None and kind in _SCALARS:
             value = _SCALARS[kind](value.item())
         args.append(value)
+    kept = getattr(_RUN, "kept", None)
+    if kept is not None:
+        kept.extend(a for a in args if isinstance(a, torch.Tensor))
     result = routed.function(*args)
     outputs = result if isinstance(result, tuple) else (result,)
     if len(outputs) != n_out:

@@ -413,3 +413,75 @@ def test_a_static_cache_is_updated_in_place_through_the_graph() -> None:
     assert torch.equal(wrapped.generate(ids, **static), plain.generate(ids, **static))
     stats = ortfx.stats(wrapped)
     assert (stats.exports - before, stats.fallback_calls) == (2, 0)
+
+
+def _assert_same_grads(plain: torch.nn.Module, wrapped: torch.nn.Module) -> None:
+    """Every gradient within 1e-4 of the model's largest gradient entry, plus 1e-6: float32
+    sums in another order, where some gradients (an attention query bias) are small
+    differences of large terms."""
+    grads = [p.grad for p in plain.parameters() if p.grad is not None]
+    atol = 1e-4 * max(float(g.abs().max()) for g in grads) + 1e-6
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=atol, msg=n)
+
+
+def test_t5_trains_with_an_attention_mask_over_changing_sizes() -> None:
+    """ORT's Where gradient never sums over broadcast axes: T5's position bias [1, heads, q, k],
+    selected against the mask of every batch row, got the full [batch, ...] gradient and the
+    backward failed in a Squeeze (``passes.where_gradients_reduce``). Loss within 1e-5,
+    gradients 1e-4 relative, two sizes, one export."""
+    torch.manual_seed(0)
+    plain = _t5()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+    for batch, length in ((2, 7), (3, 5)):
+        ids = _ids(batch, length)
+        mask = torch.ones_like(ids)
+        mask[1, length - 2 :] = 0
+        labels = _ids(batch, 4)
+        plain.zero_grad()
+        wrapped.zero_grad()
+        expected = plain(input_ids=ids, attention_mask=mask, labels=labels)
+        got = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
+        expected.loss.backward()
+        got.loss.backward()
+        torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
+        _assert_same_grads(plain, wrapped)
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports, stats.fallback_calls) == (1, 0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug (2026-11-24): on the second call, with another audio length and the same "
+    "graph, layer 0's attention v_proj.bias gradient is 21 % off (0.012 of 0.057); the first "
+    "call and the loss match. Reproduced on main before that day's changes.",
+)
+def test_wav2vec2_ctc_with_layer_norm_trains_with_parity() -> None:
+    """wav2vec2-CTC with its layer-norm feature extractor and pre-norm layers: every gradient
+    equals PyTorch's, over two audio lengths."""
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=37, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        feat_extract_norm="layer", do_stable_layer_norm=True, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+        layerdrop=0.0, mask_time_prob=0.0, ctc_loss_reduction="mean", ctc_zero_infinity=True,
+    )  # fmt: skip
+    plain = transformers.Wav2Vec2ForCTC(config)
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+    for samples in (1600, 1400):
+        audio = torch.randn(2, samples, generator=torch.Generator().manual_seed(samples))
+        labels = torch.randint(1, 12, (2, 5), generator=torch.Generator().manual_seed(2))
+        plain.zero_grad()
+        wrapped.zero_grad()
+        expected = plain(audio, labels=labels)
+        got = wrapped(audio, labels=labels)
+        expected.loss.backward()
+        got.loss.backward()
+        torch.testing.assert_close(got.loss, expected.loss, rtol=1e-6, atol=1e-5)
+        _assert_same_grads(plain, wrapped)
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports, stats.fallback_calls) == (1, 0)

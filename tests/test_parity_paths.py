@@ -535,3 +535,46 @@ def test_flip_trains() -> None:
         out.sum().backward()
         for p, q in zip(model.parameters(), wrapped.parameters(), strict=True):
             assert max_diff(p.grad, q.grad) <= 1e-5
+
+
+class WhereBroadcast(nn.Module):
+    """``torch.where`` with a value operand computed from a parameter and broadcast along
+    some axes, on either side, with the mask over the full shape."""
+
+    def __init__(self, shape: tuple[int, ...], side: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(shape))
+        self.side = side
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = (self.p * 2).tanh()  # an intermediate: torch cannot sum its gradient for ORT
+        pair = (small, x) if self.side == 1 else (x, small)
+        return torch.where(x > 0, *pair) * 3
+
+
+@pytest.mark.parametrize("side", [1, 2])
+@pytest.mark.parametrize("shape", [(1, 4, 1, 6), (4, 1, 6), (), (1, 1, 5, 1), (2, 4, 5, 6)])
+def test_where_with_a_broadcast_operand_sums_its_gradient(
+    shape: tuple[int, ...], side: int
+) -> None:
+    """ORT's Where gradient hands each operand the output's full-shaped gradient, never summed
+    over the axes the operand was broadcast along: the next gradient node failed on the shape
+    (T5's position bias under an attention mask). ``passes.where_gradients_reduce`` expands such
+    operands first. Outputs and input gradients equal PyTorch's (1e-6), the parameter's
+    gradient 1e-5, over two batch sizes; the full-shaped operand (no broadcast) too."""
+    torch.manual_seed(0)
+    model = WhereBroadcast(shape, side)
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    for batch in (2, 3) if shape != (2, 4, 5, 6) else (2,):
+        x = torch.randn(batch, 4, 5, 6)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = model(xa), wrapped(xb)
+        assert max_diff(got, expected) <= 1e-6
+        weights = torch.randn(expected.shape)
+        (expected * weights).sum().backward()
+        (got * weights).sum().backward()
+        assert max_diff(xb.grad, xa.grad) <= 1e-6
+        # sums of up to 360 products in another order
+        torch.testing.assert_close(wrapped.p.grad, model.p.grad, rtol=1e-5, atol=1e-5)
+        model.zero_grad()
+        wrapped.zero_grad()

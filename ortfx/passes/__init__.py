@@ -125,6 +125,97 @@ def add_cross_entropy_log_prob(model: onnx.ModelProto) -> bool:
     return changed
 
 
+_FLOATS: frozenset[int] = frozenset(
+    (
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+    )
+)
+
+
+def _same_shape(a: onnx.TypeProto, b: onnx.TypeProto) -> bool:
+    """Whether inference proves two tensors have one shape (equal values or equal named dims;
+    the ``unk__`` names inference makes up prove nothing)."""
+    if not (a.tensor_type.HasField("shape") and b.tensor_type.HasField("shape")):
+        return False
+    da, db = a.tensor_type.shape.dim, b.tensor_type.shape.dim
+    return len(da) == len(db) and all(
+        (x.dim_value > 0 and x.dim_value == y.dim_value)
+        or (
+            bool(x.dim_param) and x.dim_param == y.dim_param and not x.dim_param.startswith("unk__")
+        )
+        for x, y in zip(da, db, strict=True)
+    )
+
+
+def _broadcasts_nothing(t: onnx.TypeProto | None) -> bool:
+    """A scalar or all-ones shape: expanding to it changes nothing."""
+    return (
+        t is not None
+        and t.tensor_type.HasField("shape")
+        and all(d.dim_value == 1 for d in t.tensor_type.shape.dim)
+    )
+
+
+@graph_pass
+def where_gradients_reduce(model: onnx.ModelProto) -> bool:
+    """Expand each float value operand of ``Where`` that may broadcast to the output's shape.
+
+    ORT's ``Where`` gradient hands an operand the output's full-shaped gradient, never summed
+    over the axes the operand was broadcast along (``torch.where(mask, bias, x)`` with a
+    ``[1, heads, q, k]`` bias, T5's position bias under an attention mask): the next gradient
+    node fails on the shape, or, for a parameter, torch sums it at the boundary. An explicit
+    ``Expand`` first makes the operand full-shaped, and ORT's ``Expand`` gradient reduces
+    correctly. Operands inference proves full-shaped are left alone (an Expand would copy).
+    """
+    wheres = [n for n in model.graph.node if _standard(n, "Where")]
+    if not wheres:
+        return False
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    types = {v.name: v.type for v in [*inferred.value_info, *inferred.input, *inferred.output]}
+    constants = {o for n in model.graph.node if _standard(n, "Constant") for o in n.output}
+    inputs = {i.name for i in model.graph.input}
+    constants |= {t.name for t in model.graph.initializer if t.name not in inputs}
+    h = onnx.helper
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        if not _standard(node, "Where"):
+            nodes.append(node)
+            continue
+        out = types.get(node.output[0])
+        for k in (1, 2):
+            value = node.input[k]
+            kind = types.get(value)
+            if value in constants or (kind and kind.tensor_type.elem_type not in _FLOATS):
+                continue
+            if kind is not None and out is not None and _same_shape(kind, out):
+                continue
+            tag = f"{node.name or f'Where_{i}'}_expand{k}"
+            full = value
+            for j, other in enumerate((node.input[0], node.input[3 - k])):
+                if _broadcasts_nothing(types.get(other)):
+                    continue
+                nodes.append(
+                    h.make_node("Shape", [other], [f"{tag}_shape{j}"], name=f"{tag}_shape{j}")
+                )
+                nodes.append(
+                    h.make_node(
+                        "Expand", [full, f"{tag}_shape{j}"], [f"{tag}_{j}"], name=f"{tag}_{j}"
+                    )
+                )
+                full = f"{tag}_{j}"
+            node.input[k] = full
+            changed = changed or full != value
+        nodes.append(node)
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
 @graph_pass
 def tanh_as_sigmoid(model: onnx.ModelProto) -> bool:
     """Write float32 ``Tanh(z)`` as ``2 * Sigmoid(2 * z) - 1``.
@@ -889,48 +980,6 @@ def log_softmax_grad_in_torch(model: onnx.ModelProto) -> bool:
     return changed
 
 
-def layer_norm_grad_in_torch(model: onnx.ModelProto) -> bool:
-    """In a gradient model: each float32 ``LayerNormalizationGrad(dY, X, scale, mean, inv_std)``
-    with all three gradients wanted runs torch's ``native_layer_norm_backward`` through the
-    ATen executor instead (ORT's CPU kernel: 0.5-2 ms against torch's 0.2 ms for a [1024, 256]
-    layer, ``python -m bench.grad_kernels``). ORT's saved mean and inverse deviation have the
-    shape torch's own forward saves ([..., 1] over the normalized axes)."""
-    h = onnx.helper
-    types = _elem_types(model.graph)
-    changed = False
-    for i, node in enumerate(model.graph.node):
-        if node.op_type != "LayerNormalizationGrad" or node.domain != "com.microsoft":
-            continue
-        if len(node.input) != 5 or len(node.output) != 3 or not all(node.output):
-            continue
-        # the scale is a parameter, a graph input with its type even when X has no value_info
-        known = [types.get(name) for name in (*node.input[1:3], *node.output)]
-        if onnx.TensorProto.FLOAT not in known or any(
-            t and t != onnx.TensorProto.FLOAT for t in known
-        ):
-            continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-        tag = f"{node.name or f'LayerNormalizationGrad_{i}'}_torch"
-        model.graph.initializer.append(
-            h.make_tensor(f"{tag}_axis", onnx.TensorProto.INT64, [], [axis])
-        )
-        node.CopyFrom(
-            h.make_node(
-                "ATen",
-                [*node.input, f"{tag}_axis"],
-                list(node.output),
-                name=tag,
-                domain=aten.DOMAIN,
-                operator="native_layer_norm_backward",
-                overload_name="",
-            )
-        )
-        changed = True
-    if changed and not any(o.domain == aten.DOMAIN for o in model.opset_import):
-        model.opset_import.append(h.make_opsetid(aten.DOMAIN, 1))
-    return changed
-
-
 def relu_grad_passes_nan(model: onnx.ModelProto) -> bool:
     """In a gradient model: each ``ReluGrad(dY, X)`` passes ``dY`` where ``X`` is NaN.
 
@@ -1116,6 +1165,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         add_pythonop_ctx,
         guard_integer_division,
         reductions_keep_dims,
+        where_gradients_reduce,
         tanh_as_sigmoid,
         add_layernorm_stats,
         split_cross_entropy,

@@ -318,7 +318,7 @@ class ForwardRun:
     releases those contexts.
     """
 
-    __slots__ = ("contexts", "fed", "state", "trigger")
+    __slots__ = ("aten_kept", "contexts", "fed", "state", "trigger")
 
     def __init__(
         self,
@@ -326,11 +326,13 @@ class ForwardRun:
         contexts: list[int],
         trigger: torch.Tensor | None,
         fed: Sequence[torch.Tensor] = (),
+        aten_kept: list[Any] | None = None,
     ) -> None:
         self.state = state
         self.contexts = contexts
         self.trigger = trigger  # memory-efficient gradients: the call's trigger leaf
         self.fed = fed  # and its parameters (backward nodes may feed them again)
+        self.aten_kept = aten_kept  # what the forward's ATen nodes were given (aten.keeping)
 
     def __del__(self) -> None:
         if self.contexts:
@@ -339,6 +341,10 @@ class ForwardRun:
 
 def _serialized(python_ops: bool) -> contextlib.AbstractContextManager[Any]:
     return pythonop.RUN_LOCK if python_ops else contextlib.nullcontext()
+
+
+def _keeping_aten(aten_nodes: bool) -> contextlib.AbstractContextManager[list[Any] | None]:
+    return aten.keeping() if aten_nodes else contextlib.nullcontext()
 
 
 def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
@@ -408,6 +414,8 @@ class TrainingRunner:
     user_slots: tuple[int, ...] = ()
     # The graph calls Python (PythonOp nodes): its runs hold pythonop.RUN_LOCK.
     python_ops: bool = False
+    # The graph (forward or gradient part) has ATen nodes: its runs keep their inputs alive.
+    aten_nodes: bool = False
     # Set when ORT's compute optimizer failed on this graph and the build went without it.
     compute_optimizer_failure: str | None = None
     # Memory-efficient gradients: where the trigger is among the graph inputs (the fed
@@ -436,7 +444,8 @@ class TrainingRunner:
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
         contexts: list[int] = []
-        if not (self.python_ops or fed):  # no Python in the graph: no thread state to set
+        kept: list[Any] | None = None
+        if not (self.python_ops or fed or self.aten_nodes):  # no Python in the graph
             try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
             except Exception as e:
@@ -446,6 +455,7 @@ class TrainingRunner:
                 _serialized(self.python_ops),
                 pythonop.training_run() as contexts,
                 memgrad.feeding(fed),
+                _keeping_aten(self.aten_nodes) as kept,
             ):
                 try:
                     self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
@@ -453,7 +463,7 @@ class TrainingRunner:
                     pythonop.release(contexts)
                     raise _run_failed("forward", graph_inputs, e) from e
         trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
-        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
+        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed, kept)
 
     def backward(
         self,
@@ -478,7 +488,7 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        if not (self.python_ops or run_state.fed):
+        if not (self.python_ops or run_state.fed or self.aten_nodes):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
@@ -488,6 +498,7 @@ class TrainingRunner:
                 _serialized(self.python_ops),
                 memgrad.accumulating(self.owned_grads),
                 memgrad.feeding(run_state.fed),
+                _keeping_aten(self.aten_nodes),
             ):
                 try:
                     self.agent.run_backward(feeds, fetches, run_state.state)
@@ -523,22 +534,19 @@ def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
 
 def _gradient_passes(model: bytes, *, fed_params: bool) -> bytes:
     """Edits of ORT's gradient model: torch's NaN semantics for ``ReluGrad``
-    (:func:`ortfx.passes.relu_grad_passes_nan`), torch's log-softmax and layer-norm gradients
-    (:func:`ortfx.passes.log_softmax_grad_in_torch`, :func:`ortfx.passes.layer_norm_grad_in_torch`)
-    and, for memory-efficient gradients,
+    (:func:`ortfx.passes.relu_grad_passes_nan`), torch's log-softmax gradient
+    (:func:`ortfx.passes.log_softmax_grad_in_torch`) and, for memory-efficient gradients,
     :func:`ortfx.passes.feeds_after_readers`. The model is parsed only if one applies."""
     from ortfx import passes
 
     relu = b"ReluGrad" in model
     # torch's log-softmax gradient through the ATen executor, when the bridge is built
     log_softmax = b"LogSoftmaxGrad_13" in model and aten.install()
-    layer_norm = b"LayerNormalizationGrad" in model and aten.install()
-    if not (relu or log_softmax or layer_norm or fed_params):
+    if not (relu or log_softmax or fed_params):
         return model
     proto = onnx.load_model_from_string(model)
     changed = relu and passes.relu_grad_passes_nan(proto)
     changed = (log_softmax and passes.log_softmax_grad_in_torch(proto)) or changed
-    changed = (layer_norm and passes.layer_norm_grad_in_torch(proto)) or changed
     if fed_params:
         changed = passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME) or changed
     if not changed:
@@ -665,6 +673,7 @@ def open_training(
         guarded_inputs=_guarded_inputs(info),
         user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
         python_ops=bool(functions),
+        aten_nodes=aten.DOMAIN.encode() in gradient_model,
         compute_optimizer_failure=failure,
         trigger_slot=next(
             (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
@@ -707,6 +716,7 @@ class InferenceRunner:
     session_seconds: float
     gradient_build_seconds: float = 0.0
     python_ops: bool = False  # the graph calls Python: its runs hold pythonop.RUN_LOCK
+    aten_nodes: bool = False  # the graph has ATen nodes: its runs keep their inputs (aten.keeping)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
@@ -718,7 +728,7 @@ class InferenceRunner:
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
         try:
-            with _serialized(self.python_ops):
+            with _serialized(self.python_ops), _keeping_aten(self.aten_nodes):
                 self.session._sess.run_with_iobinding(binding, None)
         except Exception as e:
             raise _run_failed("inference", inputs, e) from e
@@ -752,5 +762,10 @@ def open_inference(
     )
     _, ort_device = _providers(device)
     return InferenceRunner(
-        info, session, ort_device, time.perf_counter() - start, python_ops=bool(functions)
+        info,
+        session,
+        ort_device,
+        time.perf_counter() - start,
+        python_ops=bool(functions),
+        aten_nodes=aten.DOMAIN.encode() in info.model,
     )
