@@ -521,6 +521,64 @@ ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
 }
 
 
+def _mean_of_last(g: Any, x: Any) -> Any:
+    if g.opset >= 18:  # axes became an input
+        return g.op("ReduceMean", x, _const(g, [-1]), keepdims_i=1)
+    return g.op("ReduceMean", x, axes_i=[-1], keepdims_i=1)
+
+
+@helper.parse_args("v", "i", "v", "v", "f", "i")
+def group_norm(g: Any, x: Any, groups: int, weight: Any, bias: Any, eps: float, cudnn: int) -> Any:
+    """``group_norm`` in means and elementwise ops, which ORT can differentiate.
+
+    The exporter writes it as ``InstanceNormalization``, which has no gradient in ORT 1.19:
+    ``nn.GroupNorm`` (wav2vec2's feature extractor) could not train. Normalizing the
+    ``[N, groups, -1]`` view over its last axis is the same arithmetic (biased variance, eps
+    inside the root); the per-channel affine follows as in the exporter's form. Below opset 17
+    the exporter's own form is kept. ``groups=0``: one per channel
+    (instance norm, whose channel count the graph may only know at run time).
+    """
+    rank = helper._get_tensor_rank(x)
+    if g.opset < 17 or rank is None or (groups == 0 and rank < 3):  # g knows the opset
+        return opset9.group_norm(g, x, groups, weight, bias, eps, cudnn)
+    dtype = _dtype_of(x)
+    grouped = g.op("Reshape", x, _const(g, [0, groups, -1]))  # 0: keep that dimension
+    centered = g.op("Sub", grouped, _mean_of_last(g, grouped))
+    variance = _mean_of_last(g, g.op("Mul", centered, centered))  # biased, as torch's
+    root = g.op("Sqrt", g.op("Add", variance, _constant(g, eps, dtype)))
+    normed = g.op("Div", centered, root)
+    out = g.op("Reshape", normed, g.op("Shape", x))
+    axes = list(range(1, rank - 1))
+    if not _is_none(weight):
+        out = g.op("Mul", out, helper._unsqueeze_helper(g, weight, axes))
+    if not _is_none(bias):
+        out = g.op("Add", out, helper._unsqueeze_helper(g, bias, axes))
+    return out
+
+
+@helper.parse_args("v", "v", "v", "v", "v", "b", "f", "f", "b")
+def instance_norm(
+    g: Any,
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+    cudnn: bool,
+) -> Any:
+    """``instance_norm`` without running statistics: :func:`group_norm` with a group per
+    channel, which ORT can differentiate. With running statistics the exporter's form stays
+    (it cannot train in ORT either way, and says so)."""
+    if not (_is_none(running_mean) and _is_none(running_var) and use_input_stats):
+        return opset9.instance_norm(
+            g, x, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn
+        )
+    return group_norm(g, x, 0, weight, bias, eps, cudnn)
+
+
 NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
     "aten::hardtanh": hardtanh,
     "aten::relu6": relu6,
@@ -537,6 +595,8 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
     "aten::embedding": embedding,
     "aten::cdist": cdist,
     "aten::flip": flip,
+    "aten::group_norm": group_norm,
+    "aten::instance_norm": instance_norm,
 }
 
 

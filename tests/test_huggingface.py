@@ -453,14 +453,15 @@ def test_t5_trains_with_an_attention_mask_over_changing_sizes() -> None:
 
 
 @pytest.mark.xfail(
-    strict=True,
-    reason="open bug (2026-11-24): on the second call, with another audio length and the same "
-    "graph, layer 0's attention v_proj.bias gradient is 21 % off (0.012 of 0.057); the first "
-    "call and the loss match. Reproduced on main before that day's changes.",
+    reason="open bug (2026-11-24): ORT's backward for this graph writes out of bounds: with "
+    "Options(cpu_mem_arena=False) glibc aborts ('free(): corrupted unsorted chunks'); with the "
+    "arena, a neighbouring gradient is silently wrong (21 % off) on the first run at a new "
+    "length, and which one moves with ORT's fusions. Not yet located; see docs/huggingface.md.",
+    strict=False,
 )
 def test_wav2vec2_ctc_with_layer_norm_trains_with_parity() -> None:
     """wav2vec2-CTC with its layer-norm feature extractor and pre-norm layers: every gradient
-    equals PyTorch's, over two audio lengths."""
+    equals PyTorch's, over audio lengths that change and repeat."""
     torch.manual_seed(0)
     config = transformers.Wav2Vec2Config(
         vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -472,7 +473,7 @@ def test_wav2vec2_ctc_with_layer_norm_trains_with_parity() -> None:
     )  # fmt: skip
     plain = transformers.Wav2Vec2ForCTC(config)
     wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
-    for samples in (1600, 1400):
+    for samples in (1400, 1400, 1600, 1400):
         audio = torch.randn(2, samples, generator=torch.Generator().manual_seed(samples))
         labels = torch.randint(1, 12, (2, 5), generator=torch.Generator().manual_seed(2))
         plain.zero_grad()

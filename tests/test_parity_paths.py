@@ -578,3 +578,40 @@ def test_where_with_a_broadcast_operand_sums_its_gradient(
         torch.testing.assert_close(wrapped.p.grad, model.p.grad, rtol=1e-5, atol=1e-5)
         model.zero_grad()
         wrapped.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("norm", "shape"),
+    [
+        (lambda: nn.GroupNorm(2, 4), (4, 6)),
+        (lambda: nn.GroupNorm(4, 4), (4, 5, 3)),  # a group per channel, 2-d
+        (lambda: nn.GroupNorm(1, 6, affine=False), (6, 7)),
+        (lambda: nn.InstanceNorm1d(4, affine=True), (4, 6)),
+        (lambda: nn.InstanceNorm2d(3), (3, 5, 4)),
+    ],
+    ids=["groups2", "per-channel-2d", "one-group-no-affine", "instance1d-affine", "instance2d"],
+)
+def test_group_and_instance_norm_train_in_ort(norm: Any, shape: tuple[int, ...]) -> None:
+    """ORT cannot differentiate ``InstanceNormalization``, the exporter's form of both: ortfx
+    exports them as means and elementwise ops (``symbolics.group_norm``). Outputs, input and
+    parameter gradients equal PyTorch's (1e-5) over two batch sizes, affine parameters drawn
+    away from their 1/0 start."""
+    torch.manual_seed(0)
+    model = nn.Sequential(norm())
+    for p in model.parameters():
+        nn.init.normal_(p)
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    for batch in (2, 3):
+        x = torch.randn(batch, *shape) * 2 + 1
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = model(xa), wrapped(xb)
+        assert max_diff(got, expected) <= 1e-5
+        weights = torch.randn(expected.shape)
+        (expected * weights).sum().backward()
+        (got * weights).sum().backward()
+        assert max_diff(xb.grad, xa.grad) <= 1e-5
+        for p, q in zip(model.parameters(), wrapped.parameters(), strict=True):
+            assert max_diff(q.grad, p.grad) <= 1e-5
+        model.zero_grad()
+        wrapped.zero_grad()
+    assert ortfx.stats(wrapped).exports == 1
