@@ -80,6 +80,9 @@ def _spatial(
 CASES: dict[str, Callable[[], tuple[nn.Module, Make]]] = {
     # convolutions
     "Conv1d": lambda: _spatial(1, nn.Conv1d(4, 3, 3, padding=1)),
+    "Conv1d-grouped": lambda: _spatial(1, nn.Conv1d(4, 4, 5, padding=2, groups=2)),
+    "Conv1d-depthwise": lambda: _spatial(1, nn.Conv1d(4, 8, 3, stride=2, groups=4)),
+    "Conv2d-depthwise": lambda: _spatial(2, nn.Conv2d(4, 4, 3, padding=1, groups=4)),
     "Conv2d": lambda: _spatial(2, nn.Conv2d(4, 3, 3, stride=2)),
     "Conv3d": lambda: _spatial(3, nn.Conv3d(4, 3, 2)),
     "ConvTranspose1d": lambda: _spatial(1, nn.ConvTranspose1d(4, 3, 3, stride=2)),

@@ -125,6 +125,69 @@ def add_cross_entropy_log_prob(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def _unsqueeze_2(name: str, out: str, axis: str, opset: int) -> onnx.NodeProto:
+    """``Unsqueeze(name, axes=[2])`` in the form of ``opset`` (``axis`` names the constant)."""
+    if opset >= 13:
+        return onnx.helper.make_node("Unsqueeze", [name, axis], [out], name=out)
+    return onnx.helper.make_node("Unsqueeze", [name], [out], name=out, axes=[2])
+
+
+@graph_pass
+def conv1d_grouped_as_2d(model: onnx.ModelProto) -> bool:
+    """Run each grouped 1-d ``Conv`` as a 2-d one over a height of 1.
+
+    ORT 1.19's CPU gradient of a 1-d convolution with ``group > 1`` writes past the end of a
+    buffer (measured: glibc aborts with the arena off; with it, a neighbouring tensor is
+    overwritten and a gradient comes out silently wrong, as in wav2vec2's positional
+    convolution). The 2-d grouped kernel is sound, and ``Unsqueeze``/``Squeeze`` around it
+    cost nothing (views).
+    """
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    h = onnx.helper
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        one_d = len(attrs.get("kernel_shape", [])) == 1
+        auto = attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET")
+        if not (_standard(node, "Conv") and attrs.get("group", 1) > 1 and one_d and auto):
+            nodes.append(node)
+            continue
+        tag = f"{node.name or f'Conv_{i}'}_as_2d"
+
+        if opset >= 13:
+            axis = h.make_tensor(f"{tag}_axis_value", onnx.TensorProto.INT64, [1], [2])
+            nodes.append(
+                h.make_node("Constant", [], [f"{tag}_axis"], name=f"{tag}_axis", value=axis)
+            )
+        nodes += [
+            _unsqueeze_2(node.input[0], f"{tag}_x", f"{tag}_axis", opset),
+            _unsqueeze_2(node.input[1], f"{tag}_w", f"{tag}_axis", opset),
+        ]
+        pads = list(attrs.get("pads", [0, 0]))
+        conv_attrs = {
+            "group": attrs["group"],
+            "kernel_shape": [1, *attrs["kernel_shape"]],
+            "strides": [1, *attrs.get("strides", [1])],
+            "dilations": [1, *attrs.get("dilations", [1])],
+            "pads": [0, pads[0], 0, pads[1]],
+        }
+        inputs = [f"{tag}_x", f"{tag}_w", *node.input[2:]]
+        nodes.append(h.make_node("Conv", inputs, [f"{tag}_y"], name=f"{tag}_conv", **conv_attrs))
+        if opset >= 13:
+            squeeze = h.make_node(
+                "Squeeze", [f"{tag}_y", f"{tag}_axis"], list(node.output), name=tag
+            )
+        else:
+            squeeze = h.make_node("Squeeze", [f"{tag}_y"], list(node.output), name=tag, axes=[2])
+        nodes.append(squeeze)
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
 _FLOATS: frozenset[int] = frozenset(
     (
         onnx.TensorProto.FLOAT,
@@ -1166,6 +1229,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         guard_integer_division,
         reductions_keep_dims,
         where_gradients_reduce,
+        conv1d_grouped_as_2d,
         tanh_as_sigmoid,
         add_layernorm_stats,
         split_cross_entropy,

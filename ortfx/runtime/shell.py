@@ -553,39 +553,12 @@ def _sizes_changed(
     return Retry(invalidate(shell, cause), cause)
 
 
-# Models whose training graph ORT 1.19 is known to corrupt (an out-of-bounds write in a CPU
-# gradient kernel, measured with valgrind; docs/huggingface.md): refused in training, so the
-# fallback policy runs them in PyTorch with a warning instead of giving wrong gradients.
-KNOWN_CORRUPTION = {"transformers.models.wav2vec2.": "wav2vec2"}
-CORRUPTION_REFUSED = (
-    "{module} contains {family} ({cls}), whose training graph ONNX Runtime 1.19 corrupts: a CPU "
-    "gradient kernel writes past the end of a buffer, and a gradient comes out wrong on the "
-    "first step at each new input length (docs/huggingface.md, open bug). ortfx refuses to train "
-    "it in ORT; evaluation still runs in ORT. Train this model in PyTorch (the default fallback "
-    "policy does so with this warning)."
-)
-
-
-def _refuse_known_corruption(module: torch.nn.Module) -> None:
-    for sub in module.modules():
-        cls = type(sub)
-        family = next((f for p, f in KNOWN_CORRUPTION.items() if cls.__module__.startswith(p)), "")
-        if family:
-            raise OrtfxTorchModelError(
-                CORRUPTION_REFUSED.format(
-                    module=type(module).__name__, family=family, cls=cls.__qualname__
-                )
-            )
-
-
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
 ) -> tuple[PostExportProcessedModelInfo, Timings, bool]:
     from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
 
     log = shell.log
-    if call.key.training:
-        _refuse_known_corruption(module)
     padding = _embedding_padding(module)
     dynamic = frozenset(shell.options.dynamic_scalars)
     cached = _from_disk_cache(shell, module, call, padding, dynamic)
