@@ -372,6 +372,65 @@ def test_a_user_method_calling_super_works_on_the_wrapper() -> None:
     assert type(wrapped).describe(wrapped) == "child of base"
 
 
+class Predicts(torch.nn.Module):
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).argmax(-1)
+
+
+class PredictsTwice(Predicts):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        # zero-argument super(): runs on the wrapped module, whose self(...) must reach ORT
+        return torch.stack([super().predict(x), self.forward(x).argmax(-1)])
+
+
+def test_a_method_calling_super_runs_its_forward_calls_in_ort() -> None:
+    """A ``super()``-calling method runs with the wrapped module as ``self`` (Python checks
+    the class), but the module's ``self(...)`` and ``self.forward(...)`` inside it go through
+    the wrapper: counted as ORT calls, with PyTorch's results; afterwards the module is as it
+    was (no ``forward`` attribute left behind) and calling it directly runs PyTorch."""
+    torch.manual_seed(0)
+    plain = PredictsTwice()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
+    x = torch.randn(5, 4)
+    assert torch.equal(wrapped.predict(x), plain.predict(x))
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (2, 1, 0)
+    assert "forward" not in vars(wrapped.module)
+    wrapped.module(x)
+    assert ortfx.stats(wrapped).calls == 2
+
+
+def test_whisper_generate_runs_in_ort() -> None:
+    """Whisper's ``generate`` override calls ``super().generate``: its decoding steps now run in
+    ORT (the encoder too, once per call, through ``self.model.encoder`` inside the forward),
+    greedy and beam, with the plain model's tokens; two exports (prefill and decode step)."""
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=60, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+        decoder_start_token_id=1, pad_token_id=0, eos_token_id=59, bos_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None, dropout=0.0,
+    )  # fmt: skip
+    plain = transformers.WhisperForConditionalGeneration(config).eval()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT).eval()
+    features = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    for kwargs in ({}, {"num_beams": 2}):
+        expected = plain.generate(features, max_new_tokens=5, do_sample=False, **kwargs)
+        got = wrapped.generate(features, max_new_tokens=5, do_sample=False, **kwargs)
+        assert torch.equal(got, expected), kwargs
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (10, 2, 0)
+
+
 class HoldsAStream(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         cache = cache_utils.DynamicCache()

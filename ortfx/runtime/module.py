@@ -8,6 +8,7 @@ the ``nn.Module`` API to the wrapped module, pickling, and the user's own method
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -152,12 +153,15 @@ class ORTModule(torch.nn.Module):
 
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
+        token = _IN_WRAPPER.set(True)  # the module's own forward from here on (_on_module)
         try:
             # Caches in the call are changed in place, as in PyTorch (see ortfx.io.originals).
             with io.originals(io.call_tree(args, kwargs)):
                 result, shell = engine.call(self._ortfx, self.module, args, kwargs)
         except engine.CallFailed as e:
             failed = e
+        finally:
+            _IN_WRAPPER.reset(token)
         if failed is not None:
             self._ortfx_commit(failed.shell)
             raise failed.error  # outside the except block: no "during handling" chain
@@ -362,12 +366,34 @@ def _uses_super(function: Callable[..., Any]) -> bool:
     return "__class__" in function.__code__.co_freevars
 
 
+# True while a wrapper runs its module (export, fallback): the module's calls are its own.
+_IN_WRAPPER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ortfx_in_wrapper", default=False
+)
+
+
 def _on_module(name: str) -> Callable[..., Any]:
     """A method that runs the user's ``name`` on the wrapped module (for methods that call
-    ``super()``, e.g. transformers' ``prepare_inputs_for_generation`` overrides)."""
+    ``super()``, e.g. Whisper's ``generate`` and transformers' ``prepare_inputs_for_generation``
+    overrides), with the module's own calls (``self(...)``, ``self.forward(...)``) routed
+    through the wrapper, so that they run in ORT as when the wrapper is ``self``."""
 
     def method(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.module, name)(*args, **kwargs)
+        module = self.module
+        if _IN_WRAPPER.get() or "forward" in vars(module):  # nested, or the user's own attribute
+            return getattr(module, name)(*args, **kwargs)
+        real = type(module).forward
+
+        def routed(*a: Any, **k: Any) -> Any:
+            if _IN_WRAPPER.get():  # the wrapper exporting or falling back: the real forward
+                return real(module, *a, **k)
+            return self._ortfx_forward(*a, **k)
+
+        object.__setattr__(module, "forward", routed)  # an instance attribute, for this call
+        try:
+            return getattr(module, name)(*args, **kwargs)
+        finally:
+            vars(module).pop("forward", None)
 
     method.__name__ = method.__qualname__ = name
     return method
