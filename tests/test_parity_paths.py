@@ -615,3 +615,40 @@ def test_group_and_instance_norm_train_in_ort(norm: Any, shape: tuple[int, ...])
         model.zero_grad()
         wrapped.zero_grad()
     assert ortfx.stats(wrapped).exports == 1
+
+
+class ConditionOnly(nn.Module):
+    """An input and a parameter that require grad but only feed a comparison."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threshold = nn.Parameter(torch.randn(4))
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = (x > 0) & (mask > 0.5) & (self.threshold > 0)
+        return torch.where(keep, self.linear(x), x * 0.5)
+
+
+def test_inputs_reaching_the_output_only_through_a_comparison_get_no_gradient() -> None:
+    """ORT refused to build the gradient ("Cannot compute the partial derivative for 'mask' as
+    it's unreachable"); PyTorch leaves such a tensor's ``.grad`` None. ortfx builds without
+    them: None for the mask and the threshold, every other gradient equal (1e-6), two sizes."""
+    torch.manual_seed(0)
+    model = ConditionOnly()
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    for batch in (2, 3):
+        x, mask = torch.randn(batch, 4), torch.rand(batch, 4)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ma, mb = mask.clone().requires_grad_(), mask.clone().requires_grad_()
+        (model(xa, ma) ** 2).sum().backward()
+        (wrapped(xb, mb) ** 2).sum().backward()
+        assert ma.grad is None and mb.grad is None
+        assert max_diff(xb.grad, xa.grad) <= 1e-6
+        for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert max_diff(q.grad, p.grad) <= 1e-6, name
+        assert wrapped.threshold.grad is None
+        model.zero_grad()
+        wrapped.zero_grad()

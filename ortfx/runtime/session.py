@@ -298,6 +298,33 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+_UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
+
+
+def _build_reachable(
+    model: bytes, config: Any, compute_optimizer: bool, pre_grad: str | None
+) -> tuple[Any, frozenset[str]]:
+    """:func:`_build_gradient`, leaving out the inputs and parameters that require grad but
+    reach no output through differentiable ops (a mask compared, a tensor only measured):
+    ORT refuses to build for them, torch leaves their ``.grad`` None. Returns their names."""
+    dropped: set[str] = set()
+    while True:
+        try:
+            return _build_gradient(model, config, compute_optimizer, pre_grad), frozenset(dropped)
+        except Exception as e:
+            found = _UNREACHABLE.search(str(e))
+            if found is None or found.group(1) in dropped:
+                raise
+            name = found.group(1)
+            dropped.add(name)
+            config.input_names_require_grad = [
+                n for n in config.input_names_require_grad if n != name
+            ]
+            config.initializer_names_to_train = [
+                n for n in config.initializer_names_to_train if n != name
+            ]
+
+
 def _build_gradient(
     model: bytes, config: Any, compute_optimizer: bool, pre_grad: str | None
 ) -> Any:
@@ -613,7 +640,9 @@ def open_training(
     pre_grad = f"{save_prefix}_optimized_pre_grad_{mode}.onnx" if save_prefix else None
     failure: str | None = None
     try:
-        builder = _build_gradient(info.model, config, options.enable_compute_optimizer, pre_grad)
+        builder, unreachable = _build_reachable(
+            info.model, config, options.enable_compute_optimizer, pre_grad
+        )
     except Exception as e:
         if not options.enable_compute_optimizer:
             raise _build_failed(info.model, e) from e
@@ -621,7 +650,7 @@ def open_training(
         # the loss) that build fine without it.
         failure = _first_line(e)
         try:
-            builder = _build_gradient(info.model, config, False, pre_grad)
+            builder, unreachable = _build_reachable(info.model, config, False, pre_grad)
         except Exception as again:
             raise _build_failed(info.model, again) from again
     gi = builder.get_graph_info()
@@ -669,7 +698,11 @@ def open_training(
         non_differentiable=frozenset(gi.output_grad_indices_non_differentiable),
         full_shape=frozenset(gi.output_grad_indices_require_full_shape),
         saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
-        grad_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.requires_grad),
+        grad_slots=tuple(
+            k
+            for k, spec in enumerate(info.inputs)
+            if spec.requires_grad and spec.name not in unreachable
+        ),
         guarded_inputs=_guarded_inputs(info),
         user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
         python_ops=bool(functions),
