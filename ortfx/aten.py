@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -157,6 +157,20 @@ GRADIENTS: Final[dict[str, list[tuple[str, str, list[str], list[str], dict[str, 
     ],
 }
 
+# Gradients ORT 1.19 lacks for standard ONNX ops, in the same form; an attribute given as a
+# (value, dtype, is_tensor) triple is typed (a constant of the input's element type).
+STANDARD_GRADIENTS: Final[
+    dict[str, list[tuple[str, str, list[str], list[str], dict[str, Any]]]]
+] = {
+    # d atan(x) = dy / (1 + x * x): torch.atan, and torch.atan2 as ortfx exports it
+    "Atan": [
+        ("Constant", "", [], ["one"], {"value": (1.0, "IElemType(0)", True)}),
+        ("Mul", "", ["I(0)", "I(0)"], ["square"], {}),
+        ("Add", "", ["square", "one"], ["denominator"], {}),
+        ("Div", "", ["GO(0)", "denominator"], ["GI(0)"], {}),
+    ],
+}
+
 _SCALARS: Final[dict[str, Callable[[Any], Any]]] = {"int": int, "float": float, "bool": bool}
 
 
@@ -235,22 +249,35 @@ def install() -> bool:
         return True
 
 
+_standard: list[bool] = []
+
+
+def install_standard_gradients() -> None:
+    """Register :data:`STANDARD_GRADIENTS` with ORT's training layer once per process (no
+    bridge needed); before any gradient build."""
+    with _lock:
+        if _standard:
+            return
+        from onnxruntime.capi import _pybind_state as C
+
+        for op, nodes in STANDARD_GRADIENTS.items():
+            C.register_gradient_definition(f"::{op}", _gradient_nodes(C, nodes))
+        _standard.append(True)
+
+
 def _gradient_nodes(
-    C: Any, nodes: list[tuple[str, str, list[str], list[str], dict[str, str]]]
+    C: Any, nodes: Sequence[tuple[str, str, list[str], list[str], Mapping[str, Any]]]
 ) -> Any:
     defined = []
     for op_type, domain, inputs, outputs, attributes in nodes:
         node = C.GradientNodeDefinition()
         node.op_type, node.domain, node.inputs, node.outputs = op_type, domain, inputs, outputs
         node_attributes = []
-        for name, value in attributes.items():
+        for name, spec in attributes.items():
+            value, dtype, is_tensor = spec if isinstance(spec, tuple) else (spec, "string", False)
             attribute = C.GradientNodeAttributeDefinition()
-            attribute.name, attribute.value_json, attribute.dtype = (
-                name,
-                json.dumps(value),
-                "string",
-            )
-            attribute.is_tensor = False
+            attribute.name, attribute.value_json, attribute.dtype = name, json.dumps(value), dtype
+            attribute.is_tensor = is_tensor
             node_attributes.append(attribute)
         node.attributes = node_attributes
         defined.append(node)

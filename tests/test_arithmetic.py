@@ -92,6 +92,24 @@ def test_atan2_quadrants_zeros_and_infinities() -> None:
     assert torch.allclose(module(y, x), got, rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
+@pytest.mark.parametrize("op", [torch.atan2, lambda y, x: torch.atan(y / (x.abs() + 1))])
+def test_atan_and_atan2_train(op: Callable[..., torch.Tensor]) -> None:
+    """ORT 1.19 has no gradient for ``Atan``: atan and atan2 could not train. ortfx registers
+    one (``aten.STANDARD_GRADIENTS``). Both arguments' gradients equal PyTorch's (1e-6), two
+    sizes, at points away from atan2's (0, 0)."""
+    module = Binary(op)
+    wrapped = _strict(module)
+    for n in (5, 7):
+        y, x = torch.randn(n), torch.randn(n) + 3
+        ya, xa = y.clone().requires_grad_(), x.clone().requires_grad_()
+        yb, xb = y.clone().requires_grad_(), x.clone().requires_grad_()
+        weights = torch.randn(n)
+        (module(ya, xa) * weights).sum().backward()
+        (wrapped(yb, xb) * weights).sum().backward()
+        assert torch.allclose(yb.grad, ya.grad, atol=1e-6)  # type: ignore[arg-type]
+        assert torch.allclose(xb.grad, xa.grad, atol=1e-6)  # type: ignore[arg-type]
+
+
 def test_integer_division_by_zero_raises_like_pytorch_and_does_not_crash() -> None:
     """In a subprocess: ORT's integer kernels divided by zero in C (SIGFPE killed the
     interpreter). Now each of //, %, fmod and div(rounding_mode) by a zero divisor raises

@@ -628,6 +628,7 @@ def open_training(
     functions = pythonop_functions(info.model)
     pythonop.prepare(functions)
     _install_aten(info.model)
+    aten.install_standard_gradients()  # gradients ORT lacks for standard ops (Atan)
     start = time.perf_counter()
     config = C.OrtModuleGraphBuilderConfiguration()
     config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
