@@ -306,14 +306,20 @@ def _build_reachable(
 ) -> tuple[Any, frozenset[str]]:
     """:func:`_build_gradient`, leaving out the inputs and parameters that require grad but
     reach no output through differentiable ops (a mask compared, a tensor only measured):
-    ORT refuses to build for them, torch leaves their ``.grad`` None. Returns their names."""
+    ORT refuses to build for them, torch leaves their ``.grad`` None. Not when the path goes
+    through rounding (torch gives zeros there): then the build error stands. Returns their
+    names."""
     dropped: set[str] = set()
     while True:
         try:
             return _build_gradient(model, config, compute_optimizer, pre_grad), frozenset(dropped)
         except Exception as e:
             found = _UNREACHABLE.search(str(e))
-            if found is None or found.group(1) in dropped:
+            if (
+                found is None
+                or found.group(1) in dropped
+                or _zero_gradient_path(model, found.group(1))
+            ):
                 raise
             name = found.group(1)
             dropped.add(name)
@@ -323,6 +329,29 @@ def _build_reachable(
             config.initializer_names_to_train = [
                 n for n in config.initializer_names_to_train if n != name
             ]
+
+
+# Ops through which torch passes a zero gradient (not None): an input reached only through
+# them must get zeros, which leaving it out of the build would not give.
+_ZERO_GRADIENT_OPS = frozenset({"Round", "Floor", "Ceil", "Sign"})
+
+
+def _zero_gradient_path(model: bytes, name: str) -> bool:
+    """Whether ``name`` feeds (at any depth) an op torch differentiates as zero."""
+    graph = onnx.load_model_from_string(model).graph
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    seen, pending = {name}, [name]
+    while pending:
+        for node in consumers.get(pending.pop(), []):
+            if node.op_type in _ZERO_GRADIENT_OPS:
+                return True
+            fresh = [o for o in node.output if o and o not in seen]
+            seen.update(fresh)
+            pending.extend(fresh)
+    return False
 
 
 def _build_gradient(
