@@ -44,6 +44,9 @@ NO_DROPOUT = {
         "hidden_dropout",
         "classifier_dropout",
         "summary_first_dropout",
+        "final_dropout",
+        "feat_proj_dropout",
+        "layerdrop",  # a random branch per layer: ortfx refuses it in training (see docs)
     )
 }
 

@@ -7,6 +7,7 @@ that the forward ran in ONNX Runtime (``fallback_calls == 0``) and how many expo
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -550,3 +551,31 @@ def test_wav2vec2_ctc_trains_in_ort_with_parity(norm: str) -> None:
     _wav2vec2_steps(plain, wrapped)
     stats = ortfx.stats(wrapped)
     assert (stats.exports, stats.fallback_calls) == (1, 0)
+
+
+def test_layerdrop_in_training_is_refused_with_the_fix(caplog: pytest.LogCaptureFixture) -> None:
+    """LayerDrop draws per step whether to skip a layer and branches on it in Python: a graph
+    would keep the export's draw forever (a layer always or never skipped, silently). Training
+    such a model in ORT is refused, naming the setting and the fix; the default policy trains
+    it in PyTorch with a warning; with ``layerdrop = 0`` it trains in ORT."""
+    torch.manual_seed(0)
+    model = _wav2vec2("layer")
+    model.config.layerdrop = 0.1  # transformers' default for wav2vec2
+    strict = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    audio, labels = torch.randn(2, 1400), torch.randint(1, 12, (2, 5))
+    with pytest.raises(
+        ortfx.OrtfxTorchModelError, match=r"config.layerdrop = 0.1.*layerdrop = 0.0"
+    ):
+        strict(audio, labels=labels)
+    caplog.set_level(logging.WARNING, logger="ortfx")
+    loud = ortfx.ORTModule(copy.deepcopy(model))
+    loud(audio, labels=labels).loss.backward()
+    assert ortfx.stats(loud).fallback_calls == 1
+    assert any("LayerDrop" in r.getMessage() for r in caplog.records)
+    strict.eval()  # evaluation never drops layers
+    with torch.no_grad():
+        strict(audio)
+    strict.module.config.layerdrop = 0.0
+    strict.train()
+    strict(audio, labels=labels).loss.backward()
+    assert ortfx.stats(strict).fallback_calls == 0

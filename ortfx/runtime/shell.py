@@ -553,12 +553,37 @@ def _sizes_changed(
     return Retry(invalidate(shell, cause), cause)
 
 
+LAYERDROP_REFUSED = (
+    "{module} uses LayerDrop in training ({where}.layerdrop = {p}): each step draws whether to "
+    "skip a layer and branches on it in Python, which a traced graph would decide once, at "
+    "export, for every later step. ortfx does not train it in ORT; set layerdrop to 0 (e.g. "
+    "model.config.layerdrop = 0.0) to train in ORT, or let the fallback policy run it in "
+    "PyTorch (the default does). Evaluation is unaffected."
+)
+
+
+def _refuse_layerdrop(module: torch.nn.Module) -> None:
+    """LayerDrop (transformers' ``config.layerdrop``, an attribute ``layerdrop`` of a module):
+    a random Python branch per layer and step, which no exported graph can carry."""
+    for name, sub in module.named_modules():
+        path = name or type(module).__name__
+        holders = ((f"{path}.config", getattr(sub, "config", None)), (path, sub))
+        for where, holder in holders:
+            p = getattr(holder, "layerdrop", None)
+            if isinstance(p, float | int) and not isinstance(p, bool) and p > 0 and sub.training:
+                raise OrtfxTorchModelError(
+                    LAYERDROP_REFUSED.format(module=type(module).__name__, where=where, p=p)
+                )
+
+
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
 ) -> tuple[PostExportProcessedModelInfo, Timings, bool]:
     from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
 
     log = shell.log
+    if call.key.training:
+        _refuse_layerdrop(module)
     padding = _embedding_padding(module)
     dynamic = frozenset(shell.options.dynamic_scalars)
     cached = _from_disk_cache(shell, module, call, padding, dynamic)
