@@ -196,8 +196,10 @@ def check(name: str) -> dict[str, Any]:
         got = wrapped(**batch)
         got.loss.backward()
         result["loss_diff"] = _close(got.loss, expected.loss, 1e-4)
+        # 1e-3, plus 1e-5 of the tensor's largest entry (a CTC loss summed over frames has
+        # gradients in the hundreds, where float32 order alone moves the third decimal)
         result["grad_diff"] = max(
-            _close(q.grad, p.grad, 1e-3)
+            _close(q.grad, p.grad, 1e-3 + 1e-5 * float(p.grad.abs().max()))
             for p, q in zip(plain.parameters(), model.parameters(), strict=True)
             if p.grad is not None
         )
