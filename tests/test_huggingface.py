@@ -579,3 +579,21 @@ def test_layerdrop_in_training_is_refused_with_the_fix(caplog: pytest.LogCapture
     strict.train()
     strict(audio, labels=labels).loss.backward()
     assert ortfx.stats(strict).fallback_calls == 0
+
+
+def test_sliding_window_decoding_exports_twice_with_dynamic_token_counts() -> None:
+    """Mistral's sliding-window cache layers keep their token count as a Python int: by
+    default each decode length is a new graph (one export per token). Fed as tensors
+    (``dynamic_scalars`` on the layers' ``cumulative_length``), greedy decoding takes two
+    exports, prefill and decode step, with the plain model's tokens."""
+    torch.manual_seed(0)
+    plain = MODELS["mistral"]().eval()
+    paths = tuple(f"kwargs['past_key_values'].layers[{i}].cumulative_length" for i in range(2))
+    options = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE, dynamic_scalars=paths)
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=options).eval()
+    ids = _ids(2, 5)
+    expected = plain.generate(ids, max_new_tokens=6, do_sample=False)
+    got = wrapped.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (6, 2, 0)
