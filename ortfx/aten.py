@@ -12,10 +12,9 @@ counts; its input never requires grad in the models that use it).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -181,29 +180,6 @@ def is_tensor_argument(op: str, overload: str, index: int, is_input: bool) -> bo
     return ROUTED[(op, overload)].arguments[index] == "tensor"
 
 
-_RUN = threading.local()
-
-
-@contextlib.contextmanager
-def keeping() -> Iterator[list[Any]]:
-    """Around an ORT run of a graph with ATen nodes: the tensors those nodes were given are
-    kept (in the yielded list) until the caller drops it, instead of being released when the
-    node returns.
-
-    Releasing an input's DLPack view as the node returns corrupted later reads of ORT buffers in
-    the same run (measured: wav2vec2 with pre-norm layers and the layer-norm gradient in torch
-    got a wrong attention bias gradient, off by 0.5; keeping the views alive gave PyTorch's).
-    A forward's list lives with its run state, until the backward is done.
-    """
-    before = getattr(_RUN, "kept", None)
-    kept: list[Any] = []
-    _RUN.kept = kept
-    try:
-        yield kept
-    finally:
-        _RUN.kept = before
-
-
 def execute(op: str, overload: str, inputs: Sequence[Any], n_out: int) -> list[Any]:
     """Run ``aten::op.overload`` on DLPack capsules; return one capsule per output."""
     routed = ROUTED[(op, overload)]
@@ -213,9 +189,6 @@ def execute(op: str, overload: str, inputs: Sequence[Any], n_out: int) -> list[A
         if value is not None and kind in _SCALARS:
             value = _SCALARS[kind](value.item())
         args.append(value)
-    kept = getattr(_RUN, "kept", None)
-    if kept is not None:
-        kept.extend(a for a in args if isinstance(a, torch.Tensor))
     result = routed.function(*args)
     outputs = result if isinstance(result, tuple) else (result,)
     if len(outputs) != n_out:

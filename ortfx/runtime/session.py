@@ -374,7 +374,7 @@ class ForwardRun:
     releases those contexts.
     """
 
-    __slots__ = ("aten_kept", "contexts", "fed", "state", "trigger")
+    __slots__ = ("contexts", "fed", "state", "trigger")
 
     def __init__(
         self,
@@ -382,13 +382,11 @@ class ForwardRun:
         contexts: list[int],
         trigger: torch.Tensor | None,
         fed: Sequence[torch.Tensor] = (),
-        aten_kept: list[Any] | None = None,
     ) -> None:
         self.state = state
         self.contexts = contexts
         self.trigger = trigger  # memory-efficient gradients: the call's trigger leaf
         self.fed = fed  # and its parameters (backward nodes may feed them again)
-        self.aten_kept = aten_kept  # what the forward's ATen nodes were given (aten.keeping)
 
     def __del__(self) -> None:
         if self.contexts:
@@ -397,10 +395,6 @@ class ForwardRun:
 
 def _serialized(python_ops: bool) -> contextlib.AbstractContextManager[Any]:
     return pythonop.RUN_LOCK if python_ops else contextlib.nullcontext()
-
-
-def _keeping_aten(aten_nodes: bool) -> contextlib.AbstractContextManager[list[Any] | None]:
-    return aten.keeping() if aten_nodes else contextlib.nullcontext()
 
 
 def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
@@ -470,8 +464,6 @@ class TrainingRunner:
     user_slots: tuple[int, ...] = ()
     # The graph calls Python (PythonOp nodes): its runs hold pythonop.RUN_LOCK.
     python_ops: bool = False
-    # The graph (forward or gradient part) has ATen nodes: its runs keep their inputs alive.
-    aten_nodes: bool = False
     # Set when ORT's compute optimizer failed on this graph and the build went without it.
     compute_optimizer_failure: str | None = None
     # Memory-efficient gradients: where the trigger is among the graph inputs (the fed
@@ -500,8 +492,7 @@ class TrainingRunner:
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
         contexts: list[int] = []
-        kept: list[Any] | None = None
-        if not (self.python_ops or fed or self.aten_nodes):  # no Python in the graph
+        if not (self.python_ops or fed):  # no Python in the graph: no thread state to set
             try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
             except Exception as e:
@@ -511,7 +502,6 @@ class TrainingRunner:
                 _serialized(self.python_ops),
                 pythonop.training_run() as contexts,
                 memgrad.feeding(fed),
-                _keeping_aten(self.aten_nodes) as kept,
             ):
                 try:
                     self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
@@ -519,7 +509,7 @@ class TrainingRunner:
                     pythonop.release(contexts)
                     raise _run_failed("forward", graph_inputs, e) from e
         trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
-        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed, kept)
+        return _to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
 
     def backward(
         self,
@@ -544,7 +534,7 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        if not (self.python_ops or run_state.fed or self.aten_nodes):
+        if not (self.python_ops or run_state.fed):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
@@ -554,7 +544,6 @@ class TrainingRunner:
                 _serialized(self.python_ops),
                 memgrad.accumulating(self.owned_grads),
                 memgrad.feeding(run_state.fed),
-                _keeping_aten(self.aten_nodes),
             ):
                 try:
                     self.agent.run_backward(feeds, fetches, run_state.state)
@@ -736,7 +725,6 @@ def open_training(
         guarded_inputs=_guarded_inputs(info),
         user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
         python_ops=bool(functions),
-        aten_nodes=aten.DOMAIN.encode() in gradient_model,
         compute_optimizer_failure=failure,
         trigger_slot=next(
             (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
@@ -779,7 +767,6 @@ class InferenceRunner:
     session_seconds: float
     gradient_build_seconds: float = 0.0
     python_ops: bool = False  # the graph calls Python: its runs hold pythonop.RUN_LOCK
-    aten_nodes: bool = False  # the graph has ATen nodes: its runs keep their inputs (aten.keeping)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
@@ -791,7 +778,7 @@ class InferenceRunner:
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
         try:
-            with _serialized(self.python_ops), _keeping_aten(self.aten_nodes):
+            with _serialized(self.python_ops):
                 self.session._sess.run_with_iobinding(binding, None)
         except Exception as e:
             raise _run_failed("inference", inputs, e) from e
@@ -830,5 +817,4 @@ def open_inference(
         ort_device,
         time.perf_counter() - start,
         python_ops=bool(functions),
-        aten_nodes=aten.DOMAIN.encode() in info.model,
     )
