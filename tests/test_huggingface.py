@@ -411,8 +411,8 @@ def test_a_method_calling_super_runs_its_forward_calls_in_ort() -> None:
 
 def test_whisper_generate_runs_in_ort() -> None:
     """Whisper's ``generate`` override calls ``super().generate``: its decoding steps now run in
-    ORT (the encoder too, once per call, through ``self.model.encoder`` inside the forward),
-    greedy and beam, with the plain model's tokens; two exports (prefill and decode step)."""
+    ORT (the encoder, called through ``get_encoder()``, in PyTorch as for T5), greedy and beam,
+    with the plain model's tokens; two exports (prefill and decode step)."""
     torch.manual_seed(0)
     config = transformers.WhisperConfig(
         vocab_size=60, d_model=32, encoder_layers=1, decoder_layers=1,
