@@ -124,7 +124,45 @@ def _flatten_state(obj: Any) -> tuple[list[Any], Any, tuple[str, ...]]:
             and _traced_size(data[k])
             and not _tensor_attribute(type(obj), k)
         )
-    return [data[k] for k in names], (names, static, source, ints), names
+    children = [data[k] for k in names]
+    window = _window_full(obj, data)
+    if window is not None:
+        # The token count goes to the graph as a tensor; the key keeps only what transformers
+        # branches on (see _WINDOWED_LAYERS), so decoding needs a bounded number of graphs.
+        position = names.index(_WINDOW_COUNTER)
+        children[position] = torch.tensor(children[position], dtype=torch.int64)
+    return children, (names, static, source, ints, window), names
+
+
+# Sliding-window cache layers count the tokens seen in a Python int, and the forward branches
+# on it in one place only: whether the window is full (``get_mask_sizes``: ``cumulative_length
+# >= sliding_window``, and ``max(cumulative_length - sliding_window + 1, 0)``, the same test).
+# Keyed on that count, every decode step would be a new graph. So the count is fed as a
+# tensor, and the key holds "window full" instead. Only for these classes with these methods
+# as transformers defines them: a subclass that overrides one may branch on something else,
+# and keeps the exact count in its key. (module, class name, methods that read the count)
+_WINDOWED_LAYERS: Final = (
+    ("transformers.cache_utils", "DynamicSlidingWindowLayer", ("update", "get_mask_sizes")),
+)
+_WINDOW_COUNTER: Final = "cumulative_length"
+
+
+def _window_full(obj: Any, data: dict[str, Any]) -> bool | None:
+    """For a known sliding-window layer with a Python-int token count: whether its window is
+    full (what the traced graph depends on); else None."""
+    count, window = data.get(_WINDOW_COUNTER), data.get("sliding_window")
+    if type(count) is not int or type(window) is not int:
+        return None
+    cls = type(obj)
+    for module_name, name, methods in _WINDOWED_LAYERS:
+        base = getattr(sys.modules.get(module_name), name, None)
+        if (
+            isinstance(base, type)
+            and issubclass(cls, base)
+            and all(getattr(cls, m, None) is getattr(base, m) for m in methods)
+        ):
+            return count >= window
+    return None
 
 
 def _tensor_attribute(cls: type, name: str) -> bool:
@@ -142,7 +180,7 @@ def _traced_size(value: Any) -> bool:
 
 def _unflatten_state(cls: type) -> Callable[[Any, Any], Any]:
     def unflatten(metadata: Any, children: Any) -> Any:
-        names, static, source, ints = metadata
+        names, static, source, ints, _ = metadata
         attributes = {**dict(zip(names, children, strict=True)), **dict(static)}
         attributes.update({k: int(attributes[k]) for k in ints})
         originals = _ORIGINALS.get()
