@@ -577,21 +577,34 @@ def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
     )
 
 
-def _gradient_passes(model: bytes, *, fed_params: bool) -> bytes:
-    """Edits of ORT's gradient model: torch's NaN semantics for ``ReluGrad``
-    (:func:`ortfx.passes.relu_grad_passes_nan`), torch's log-softmax gradient
-    (:func:`ortfx.passes.log_softmax_grad_in_torch`) and, for memory-efficient gradients,
-    :func:`ortfx.passes.feeds_after_readers`. The model is parsed only if one applies."""
+def _gradient_passes(model: bytes, *, fed_params: bool, forward: bytes = b"") -> bytes:
+    """Edits of ORT's gradient model, each from :mod:`ortfx.passes`:
+
+    - broadcast reductions that never reduce, dropped
+      (``reductions.drop_empty_broadcast_reductions``, with ``forward``'s inferred shapes);
+    - torch's NaN semantics for ``ReluGrad`` (``relu_grad_passes_nan``);
+    - torch's log-softmax and embedding gradients (``log_softmax_grad_in_torch``,
+      ``gather_grad_in_torch``);
+    - for memory-efficient gradients, ``feeds_after_readers``.
+
+    The model is parsed only if one applies."""
     from ortfx import passes
+    from ortfx.passes import reductions
 
     relu = b"ReluGrad" in model
     # torch's log-softmax gradient through the ATen executor, when the bridge is built
     log_softmax = b"LogSoftmaxGrad_13" in model and aten.install()
-    if not (relu or log_softmax or fed_params):
+    # torch's embedding gradient, likewise
+    gather = b"GatherGrad" in model and aten.install()
+    broadcasts = b"BroadcastGradientArgs" in model
+    if not (relu or log_softmax or fed_params or broadcasts or gather):
         return model
     proto = onnx.load_model_from_string(model)
-    changed = relu and passes.relu_grad_passes_nan(proto)
+    shapes = reductions.forward_shapes(forward) if broadcasts and forward else {}
+    changed = broadcasts and reductions.drop_empty_broadcast_reductions(proto, shapes) > 0
+    changed = (relu and passes.relu_grad_passes_nan(proto)) or changed
     changed = (log_softmax and passes.log_softmax_grad_in_torch(proto)) or changed
+    changed = (gather and passes.gather_grad_in_torch(proto)) or changed
     if fed_params:
         changed = passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME) or changed
     if not changed:
@@ -674,7 +687,9 @@ def open_training(
             raise _build_failed(info.model, again) from again
     gi = builder.get_graph_info()
     gradient_model: bytes = builder.get_gradient_model()
-    gradient_model = _gradient_passes(gradient_model, fed_params=bool(info.fed_params))
+    gradient_model = _gradient_passes(
+        gradient_model, fed_params=bool(info.fed_params), forward=info.model
+    )
     if info.fed_params and options.zero3_layerwise:
         gradient_model = _gather_per_layer(gradient_model)
     gradient_build_seconds = time.perf_counter() - start
