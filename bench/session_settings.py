@@ -80,7 +80,38 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         _set("enable_mem_reuse", lambda o: True),
         {},
     ),
+    "no-empty-reductions": (
+        "gradient pass off: reductions.drop_empty_broadcast_reductions (2026-11-24)", None, {},
+    ),
+    "no-gather-grad-torch": (
+        "gradient pass off: passes.gather_grad_in_torch (ORT's GatherGrad kernel)", None, {},
+    ),
+    "no-new-grad-passes": ("both gradient passes above off", None, {}),
 }  # fmt: skip
+
+# Variants that turn ortfx gradient-model passes off: (module, function, what "did nothing"
+# returns), patched for the sessions built while the variant is active.
+PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
+    "no-empty-reductions": [("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0)],
+    "no-gather-grad-torch": [("ortfx.passes", "gather_grad_in_torch", False)],
+    "no-new-grad-passes": [
+        ("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0),
+        ("ortfx.passes", "gather_grad_in_torch", False),
+    ],
+}
+
+
+def _passes_off(variant: str, when: Callable[[], bool]) -> None:
+    import importlib
+
+    for module_name, name, nothing in PASSES_OFF.get(variant, []):
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+
+        def off(*args: Any, _original: Any = original, _nothing: Any = nothing) -> Any:
+            return _nothing if when() else _original(*args)
+
+        setattr(module, name, off)
 
 
 def patch(variant: str, when: Callable[[], bool] = lambda: True) -> None:
@@ -90,6 +121,7 @@ def patch(variant: str, when: Callable[[], bool] = lambda: True) -> None:
 
     from ortfx.runtime import events
 
+    _passes_off(variant, when)
     so_edit = VARIANTS[variant][1]
     if so_edit is None:
         return
