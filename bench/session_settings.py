@@ -83,21 +83,12 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
     "no-empty-reductions": (
         "gradient pass off: reductions.drop_empty_broadcast_reductions (2026-11-24)", None, {},
     ),
-    "no-gather-grad-torch": (
-        "gradient pass off: passes.gather_grad_in_torch (ORT's GatherGrad kernel)", None, {},
-    ),
-    "no-new-grad-passes": ("both gradient passes above off", None, {}),
 }  # fmt: skip
 
 # Variants that turn ortfx gradient-model passes off: (module, function, what "did nothing"
 # returns), patched for the sessions built while the variant is active.
 PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "no-empty-reductions": [("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0)],
-    "no-gather-grad-torch": [("ortfx.passes", "gather_grad_in_torch", False)],
-    "no-new-grad-passes": [
-        ("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0),
-        ("ortfx.passes", "gather_grad_in_torch", False),
-    ],
 }
 
 

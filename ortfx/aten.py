@@ -103,22 +103,6 @@ def _log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int) ->
     return result
 
 
-def _gather_grad(shape: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """ORT's ``GatherGrad`` along axis 0 (``passes.gather_grad_in_torch``): zeros of ``shape``
-    with each row of ``grad`` added at its index (negative indices count from the end, as in
-    ``Gather``). torch's ``embedding_dense_backward`` for a matrix, ``index_add`` otherwise."""
-    sizes = tuple(int(n) for n in shape.tolist())
-    rows = indices.reshape(-1)
-    rows = torch.where(rows < 0, rows + sizes[0], rows)
-    if len(sizes) == 2:
-        result: torch.Tensor = torch.ops.aten.embedding_dense_backward(
-            grad.reshape(-1, sizes[1]), rows, sizes[0], -1, False
-        )
-        return result
-    zeros = torch.zeros(sizes, dtype=grad.dtype, device=grad.device)
-    return zeros.index_add_(0, rows, grad.reshape(-1, *sizes[1:]))
-
-
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
 _INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
 
@@ -134,8 +118,6 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
     # ORT's LogSoftmaxGrad kernel is about twice as slow as torch's (gradient-model pass)
     ("_log_softmax_backward_data", ""): Routed(_log_softmax_backward, ("tensor", "tensor", "int")),
-    # ORT's GatherGrad (an embedding's gradient) is 10-20x slower than torch's (gradient pass)
-    ("_ortfx_gather_grad", ""): Routed(_gather_grad, ("tensor", "tensor", "tensor")),
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),

@@ -1,9 +1,10 @@
 """Edits of ORT's gradient model for speed: every one must leave the gradients PyTorch's.
 
 - ``passes.reductions.drop_empty_broadcast_reductions``: the broadcast reductions of a
-  gradient that can never reduce anything (the operand has the output's shape) are dropped;
-- ``passes.gather_grad_in_torch``: ``GatherGrad`` on axis 0 (embeddings, ``x[idx]``) runs
-  torch's kernel through the ATen executor.
+  gradient that can never reduce anything (the operand has the output's shape) are dropped.
+
+Axis-0 gathers (embeddings, ``x[idx]``) are checked here too: routing their gradient to torch
+was measured and not adopted (docs/performance.md), the parity stays.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ import copy
 from pathlib import Path
 
 import onnx
-import ortfx._bridge  # built by the install; a missing bridge must fail here, not skip
 import pytest
 import torch
 
 import ortfx
-from ortfx import aten
 from ortfx.passes import reductions
 
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
@@ -131,23 +130,13 @@ class Embeds(torch.nn.Module):
         return (h.unsqueeze(2) * t).sum() + (h * self.rows[-1]).pow(2).sum()
 
 
-def test_gather_gradients_run_in_torch_and_match(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gather_gradients_match() -> None:
     """Repeated ids, the padding row, a 3-D table and a negative index: gradients equal eager's
-    (1e-5) over two batch shapes, and each backward runs the three gathers' gradients in torch
-    (counted, so a silently skipped rewrite fails)."""
-    key = ("_ortfx_gather_grad", "")
-    routed = aten.ROUTED[key]
-    calls: list[tuple[int, ...]] = []
-
-    def counted(shape: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        calls.append(tuple(shape.tolist()))
-        return routed.function(shape, *rest)  # type: ignore[no-any-return]
-
-    monkeypatch.setitem(aten.ROUTED, key, aten.Routed(counted, routed.arguments))
+    (1e-5) over two batch shapes. The padded embedding times a gathered table also once failed
+    ORT's gradient build (contradicting exporter shapes)."""
     torch.manual_seed(0)
     plain = Embeds()
     wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
     for ids in ([[1, 1, 0, 10], [3, 1, 9, 0]], [[5, 5, 5]]):
         _grads_match(plain, wrapped, torch.tensor(ids))
-    assert sorted(set(calls)) == [(3, 4), (7, 2, 4), (11, 4)]
-    assert len(calls) == 3 * 2
+    assert ortfx.stats(wrapped).exports == 1

@@ -974,8 +974,7 @@ def owned_gradients(model: onnx.ModelProto, function: str) -> frozenset[int]:
     ORT makes the output of an aliasing or in-place node (``Reshape``, ``PassThrough``, ``Add``
     ...) a view of another value's buffer that does not own it; that buffer goes back to ORT
     when the other value dies, while torch would still hold ``.grad``. Only the outputs of
-    :data:`_ALLOCATING_OPS` with no ``C`` input (``Gemm`` may write into ``C``) qualify, and
-    those of the torch kernels in :data:`_FRESH_TORCH_OPS`.
+    :data:`_ALLOCATING_OPS` with no ``C`` input (``Gemm`` may write into ``C``) qualify.
     """
     graph = model.graph
     index = {
@@ -1001,23 +1000,12 @@ def owned_gradients(model: onnx.ModelProto, function: str) -> frozenset[int]:
         if (
             ctx in index
             and made is not None
-            and (made.op_type in _ALLOCATING_OPS or _fresh_from_torch(made))
+            and made.op_type in _ALLOCATING_OPS
             and not (made.op_type == "Gemm" and len(made.input) > 2 and made.input[2])
             and readers[node.input[1]] == 1
         ):
             owned.add(index[ctx])
     return frozenset(owned)
-
-
-# Ops routed to torch whose output is always a tensor torch allocated for it (never a view of
-# an input). ORT holds it through DLPack, so its memory is never ORT's to reuse.
-_FRESH_TORCH_OPS = frozenset({"_ortfx_gather_grad"})
-
-
-def _fresh_from_torch(node: onnx.NodeProto) -> bool:
-    return node.op_type == "ATen" and any(
-        a.name == "operator" and a.s.decode() in _FRESH_TORCH_OPS for a in node.attribute
-    )
 
 
 def _elem_types(graph: onnx.GraphProto) -> dict[str, int]:
@@ -1054,41 +1042,6 @@ def log_softmax_grad_in_torch(model: onnx.ModelProto) -> bool:
             name=tag,
             domain=aten.DOMAIN,
             operator="_log_softmax_backward_data",
-            overload_name="",
-        )
-        node.CopyFrom(replacement)
-        changed = True
-    if changed and not any(o.domain == aten.DOMAIN for o in model.opset_import):
-        model.opset_import.append(h.make_opsetid(aten.DOMAIN, 1))
-    return changed
-
-
-def gather_grad_in_torch(model: onnx.ModelProto) -> bool:
-    """In a gradient model: each float ``GatherGrad`` along axis 0 (the gradient of an
-    embedding, or of any ``Gather`` on axis 0) runs torch's ``embedding_dense_backward`` (or
-    ``index_add``) through the ATen executor instead.
-
-    Same sums, in another order. ORT's CPU kernel took 8.5 ms for GPT-2's [8192, 256] token
-    embedding from 1024 rows at 2 threads (slower than at 1), torch's 0.5 ms.
-    """
-    h = onnx.helper
-    types = _elem_types(model.graph)
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
-    changed = False
-    for i, node in enumerate(model.graph.node):
-        if node.op_type != "GatherGrad" or node.domain != "com.microsoft":
-            continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        dtype = types.get(node.output[0]) or types.get(node.input[2])
-        if axis != 0 or dtype not in floats:
-            continue
-        replacement = h.make_node(
-            "ATen",
-            list(node.input[:3]),
-            list(node.output),
-            name=f"{node.name or f'GatherGrad_{i}'}_torch",
-            domain=aten.DOMAIN,
-            operator="_ortfx_gather_grad",
             overload_name="",
         )
         node.CopyFrom(replacement)

@@ -583,8 +583,7 @@ def _gradient_passes(model: bytes, *, fed_params: bool, forward: bytes = b"") ->
     - broadcast reductions that never reduce, dropped
       (``reductions.drop_empty_broadcast_reductions``, with ``forward``'s inferred shapes);
     - torch's NaN semantics for ``ReluGrad`` (``relu_grad_passes_nan``);
-    - torch's log-softmax and embedding gradients (``log_softmax_grad_in_torch``,
-      ``gather_grad_in_torch``);
+    - torch's log-softmax gradient (``log_softmax_grad_in_torch``);
     - for memory-efficient gradients, ``feeds_after_readers``.
 
     The model is parsed only if one applies."""
@@ -594,17 +593,14 @@ def _gradient_passes(model: bytes, *, fed_params: bool, forward: bytes = b"") ->
     relu = b"ReluGrad" in model
     # torch's log-softmax gradient through the ATen executor, when the bridge is built
     log_softmax = b"LogSoftmaxGrad_13" in model and aten.install()
-    # torch's embedding gradient, likewise
-    gather = b"GatherGrad" in model and aten.install()
     broadcasts = b"BroadcastGradientArgs" in model
-    if not (relu or log_softmax or fed_params or broadcasts or gather):
+    if not (relu or log_softmax or fed_params or broadcasts):
         return model
     proto = onnx.load_model_from_string(model)
     shapes = reductions.forward_shapes(forward) if broadcasts and forward else {}
     changed = broadcasts and reductions.drop_empty_broadcast_reductions(proto, shapes) > 0
     changed = (relu and passes.relu_grad_passes_nan(proto)) or changed
     changed = (log_softmax and passes.log_softmax_grad_in_torch(proto)) or changed
-    changed = (gather and passes.gather_grad_in_torch(proto)) or changed
     if fed_params:
         changed = passes.feeds_after_readers(proto, memgrad.FUNCTION_NAME) or changed
     if not changed:
