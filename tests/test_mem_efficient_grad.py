@@ -402,6 +402,32 @@ def test_no_grad_and_inference_calls_are_untouched() -> None:
         assert models.max_diff(eager(x), mem(x)) <= TOL
 
 
+def test_feeds_run_without_autograd_nodes_and_are_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bridge runs the parameter feeds directly (the Function is never applied); what a
+    training forward keeps for them is released by its backward, or when its output dies
+    without one, and a forward without backward accumulates nothing."""
+    from ortfx.runtime import memgrad, pythonop
+
+    def never(*args: object) -> None:
+        raise AssertionError("FeedParameter applied: the bridge's direct path was not taken")
+
+    monkeypatch.setattr(memgrad.FeedParameter, "forward", staticmethod(never))
+    torch.manual_seed(0)
+    eager, mem = _pair(models.MLP())
+    x = _mlp_batch()
+    out = mem(x)
+    assert pythonop.live_contexts() == 4  # one per parameter that requires grad
+    del out
+    assert pythonop.live_contexts() == 0
+    assert all(p.grad is None for p in mem.parameters())
+    eager(x).sum().backward()
+    mem(x).sum().backward()
+    assert pythonop.live_contexts() == 0
+    _assert_grads_equal(eager, mem)
+
+
 DDP_TIMEOUT = 120  # seconds for both ranks; a hung collective fails instead of blocking
 
 
