@@ -225,3 +225,40 @@ def test_grouped_conv1d_gradient_writes_in_bounds() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "worst True"
+
+
+IMPORT_ALONE = """
+import sys
+import torch
+seed = torch.manual_seed
+import ortfx
+print("front end", "onnxruntime.training" in sys.modules, "deepspeed" in sys.modules)
+print("manual_seed untouched", torch.manual_seed is seed)
+torch.manual_seed(0)
+plain = torch.nn.Linear(3, 2)
+wrapped = ortfx.ORTModule(torch.nn.Linear(3, 2))
+wrapped.load_state_dict(plain.state_dict())
+x = torch.randn(4, 3)
+plain(x).square().sum().backward()
+wrapped(x).square().sum().backward()
+print("grads equal", torch.allclose(plain.weight.grad, wrapped.weight.grad, atol=1e-6))
+import onnxruntime.training
+print("user import", onnxruntime.training.__name__ in sys.modules)
+"""
+
+
+def test_importing_ortfx_leaves_upstream_front_end_and_torch_alone() -> None:
+    """ORT's package __init__ would import upstream's ORTModule front end (DeepSpeed, sympy;
+    it replaces torch.manual_seed); ortfx imports ORT without it, and trains; a user's own
+    ``import onnxruntime.training`` afterwards still works. In a fresh interpreter."""
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALONE], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    marks = ("front end", "manual_seed", "grads", "user import")
+    assert [line for line in result.stdout.splitlines() if line.startswith(marks)] == [
+        "front end False False",
+        "manual_seed untouched True",
+        "grads equal True",
+        "user import True",
+    ]

@@ -6,9 +6,11 @@ Only this module (and nothing in the pure core) imports onnxruntime.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -40,10 +42,39 @@ from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
 from ortfx.runtime import events, memgrad, pythonop
 
-try:
-    import onnxruntime as ort
-    from onnxruntime.capi import _pybind_state as C
 
+class _WithoutFrontEnd(importlib.abc.MetaPathFinder):
+    """Refuses ``onnxruntime.training`` while ``import onnxruntime`` runs.
+
+    The training wheel's package ``__init__`` imports upstream's ORTModule front end only to
+    find out whether it is there (``onnxruntime_validation``). That pulls in DeepSpeed, sympy
+    and pydantic: about 1 s of import and 90 MB of resident memory, for code ortfx never calls
+    (the C++ training layer is in ``_pybind_state``), and it replaces ``torch.manual_seed``.
+    The package handles an ImportError there by design; the finder is removed right after, so
+    a user's own ``import onnxruntime.training`` works as usual.
+    """
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "onnxruntime.training" or name.startswith("onnxruntime.training."):
+            raise ImportError(f"{name} is not imported by ortfx", name=name)
+        return None
+
+
+def _import_onnxruntime() -> tuple[Any, Any]:
+    finder = None if "onnxruntime" in sys.modules else _WithoutFrontEnd()
+    if finder is not None:
+        sys.meta_path.insert(0, finder)
+    try:
+        import onnxruntime
+        from onnxruntime.capi import _pybind_state
+    finally:
+        if finder is not None:
+            sys.meta_path.remove(finder)
+    return onnxruntime, _pybind_state
+
+
+try:
+    ort, C = _import_onnxruntime()
     _IMPORT_ERROR: Exception | None = None
 except Exception as e:  # pragma: no cover - exercised only without the wheel
     ort = C = None
