@@ -147,6 +147,9 @@ class Exported:
     tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
     # Graph names of the custom autograd.Functions exported as PythonOp nodes.
     custom_functions: tuple[str, ...] = ()
+    # The module asked torch.is_grad_enabled() while traced: its graph can depend on grad mode
+    # (transformers' checkpointed layers take the checkpoint branch only with grad enabled).
+    reads_grad_mode: bool = False
     # The user's own code turned a tensor (often a size) into a Python number while traced.
     numbers_from_tensors: bool = False
 
@@ -180,6 +183,39 @@ def _rebind(
             continue
         undo.append((namespace, name, value))
     return undo
+
+
+# Modules whose questions about grad mode are torch's bookkeeping, not the model's branches.
+_TORCH_MACHINERY = ("torch.autograd", "torch.onnx", "torch.jit", "torch._")
+
+
+@contextlib.contextmanager
+def grad_mode_as_called(enabled: bool) -> Iterator[list[int]]:
+    """Trace with autograd off, while ``torch.is_grad_enabled()`` answers the call's mode.
+
+    Code may branch on grad mode: transformers' checkpointed layers take the checkpoint branch,
+    and drop their cache arguments, only with grad enabled. Tracing under ``no_grad`` alone
+    would take the other branch for a training call. Autograd itself stays off (tracing records
+    no backward graph). The answer is ``enabled`` even inside a ``torch.no_grad()`` block of the
+    forward itself (not seen in practice). Yields a one-item list counting the questions.
+    """
+    asked = [0]
+    real = torch.is_grad_enabled
+
+    def answer() -> bool:
+        # Grad-mode contexts (no_grad, set_grad_enabled) save the real mode to restore it,
+        # and the exporter's own machinery asks too: they get the truth, uncounted.
+        if sys._getframe(1).f_globals.get("__name__", "").startswith(_TORCH_MACHINERY):
+            return real()
+        asked[0] += 1
+        return enabled or real()
+
+    torch.is_grad_enabled = answer
+    try:
+        with torch.no_grad():
+            yield asked
+    finally:
+        torch.is_grad_enabled = real
 
 
 @contextlib.contextmanager
@@ -773,8 +809,10 @@ def export(
     leaves: Sequence[Any],
     schema: ModelSchema,
     options: ExportOptions,
+    grad_enabled: bool = False,
 ) -> Exported:
-    """Export ``module`` for calls of ``schema`` (example ``leaves``); return the raw record.
+    """Export ``module`` for calls of ``schema`` (example ``leaves``) made with grad mode
+    ``grad_enabled``; return the raw record.
 
     The record's ``inputs`` are the graph's inputs as exported (user tensors by path, then
     parameters and buffers by module path); grad flags are filled in by processing.
@@ -796,7 +834,7 @@ def export(
             preserved_random_state(),
             state_preserved(module),
             batch_norm_updates_in_graph(module),
-            torch.no_grad(),
+            grad_mode_as_called(grad_enabled) as asked,
             traced as calls,
             functions_called(profile=dynamo) as functions,
         ):
@@ -891,7 +929,8 @@ def export(
         calls[0],
         flat.tracer_warnings,
         tuple(sorted(functions)),
-        flat.numbers_from_tensors,
+        reads_grad_mode=asked[0] > 0,
+        numbers_from_tensors=flat.numbers_from_tensors,
     )
 
 

@@ -53,6 +53,9 @@ class ExportKey:
     module_version: ModuleVersion
     options: ExportOptions
     versions: tuple[str, str]  # (torch, onnx)
+    # None: the graph does not depend on grad mode. Else the grad mode it was traced for: the
+    # module asked torch.is_grad_enabled() while traced (see :func:`resolve`).
+    grad_mode: bool | None = None
 
 
 @attrs.frozen
@@ -85,6 +88,7 @@ class Call:
     key: ExportKey
     grad: GradState
     session: SessionKey
+    grad_enabled: bool = False  # torch.is_grad_enabled() at the call
 
 
 @attrs.frozen
@@ -253,6 +257,16 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
         reasons.append(
             Reason("mode", mode[seen.training], mode[given.training], "train/eval mode changed")
         )
+    if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
+        grad = {True: "enabled", False: "disabled"}
+        reasons.append(
+            Reason(
+                "grad mode",
+                grad[bool(seen.grad_mode)],
+                grad[bool(given.grad_mode)],
+                "the module reads torch.is_grad_enabled()",
+            )
+        )
     for field in attrs.fields(ExportOptions):
         a, b = getattr(seen.options, field.name), getattr(given.options, field.name)
         if a != b:
@@ -335,12 +349,19 @@ def explain_session(seen: SessionKey, given: SessionKey) -> tuple[Reason, ...]:
     return tuple(reasons)
 
 
-def _closest(entries: tuple[Entry[P], ...], key: ExportKey) -> Entry[P] | None:
+def _as_seen_by(entry: ExportKey, call: Call) -> ExportKey:
+    """The call's key as an entry traced for one grad mode compares it."""
+    return (
+        call.key if entry.grad_mode is None else attrs.evolve(call.key, grad_mode=call.grad_enabled)
+    )
+
+
+def _closest(entries: tuple[Entry[P], ...], call: Call) -> Entry[P] | None:
     # The entry with the fewest differences; ties go to the most recently used one.
     best: Entry[P] | None = None
     best_count = -1
     for entry in reversed(entries):
-        count = len(explain_key(entry.key, key))
+        count = len(explain_key(entry.key, _as_seen_by(entry.key, call)))
         if best is None or count < best_count:
             best, best_count = entry, count
     return best
@@ -352,14 +373,33 @@ def _closest(entries: tuple[Entry[P], ...], key: ExportKey) -> Entry[P] | None:
 FIRST_CALL = Reason("module", "never exported", "called", "first call")
 
 
+def resolve(state: ExportState[P], call: Call) -> Call:
+    """``call`` with the key of the entry that serves it, if one does.
+
+    A key traced for one grad mode (``grad_mode`` set) serves only calls made in that mode;
+    any other entry serves calls in either mode. Decide and apply compare keys exactly, so
+    the shell resolves a new call first."""
+    if state.lookup(call.key) is not None:
+        return call
+    moded = attrs.evolve(call.key, grad_mode=call.grad_enabled)
+    return attrs.evolve(call, key=moded) if state.lookup(moded) is not None else call
+
+
+def traced_for_grad_mode(call: Call) -> Call:
+    """``call`` once its export turned out to depend on grad mode: its entry serves only
+    calls made in the same mode."""
+    return attrs.evolve(call, key=attrs.evolve(call.key, grad_mode=call.grad_enabled))
+
+
 def decide(state: ExportState[P], call: Call) -> Decision:
-    """What the shell must do for ``call``. Pure: reads ``state``, changes nothing."""
+    """What the shell must do for ``call`` (resolved, see :func:`resolve`). Pure: reads
+    ``state``, changes nothing."""
     entry = state.lookup(call.key)
     if entry is None:
-        closest = _closest(state.entries, call.key)
+        closest = _closest(state.entries, call)
         if closest is None:
             return Reexport((FIRST_CALL,))
-        return Reexport(explain_key(closest.key, call.key))
+        return Reexport(explain_key(closest.key, _as_seen_by(closest.key, call)))
     if entry.grad != call.grad:
         return Reprocess(
             explain_grad(entry.grad, call.grad, call.key.schema.paths)
@@ -487,6 +527,7 @@ class CallContext:
     deterministic: bool
     settings: tuple[tuple[str, Any], ...] = ()
     mem_efficient_grad: bool = False
+    grad_enabled: bool = False
 
 
 def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallContext) -> Call:
@@ -508,6 +549,7 @@ def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallC
             context.mem_efficient_grad,
         ),
         SessionKey(context.device, context.deterministic, context.settings),
+        context.grad_enabled,
     )
 
 
@@ -526,6 +568,7 @@ def signature(
     params_requiring_grad: tuple[bool, ...],
     deterministic: bool,
     device: Hashable,
+    grad_enabled: bool = False,
 ) -> tuple[Any, ...]:
     """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
     :class:`Call` s in the same context (options, versions, device and parameter names fixed):
@@ -538,6 +581,7 @@ def signature(
         params_requiring_grad,
         deterministic,
         device,
+        grad_enabled,
     )
 
 

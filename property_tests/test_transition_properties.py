@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import attrs
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,8 @@ from ortfx.transitions import (
     apply,
     bump_module_version,
     decide,
+    resolve,
+    traced_for_grad_mode,
 )
 
 # A handful of structurally different calls; schemas are built from real flattening.
@@ -95,6 +98,30 @@ def test_every_non_reuse_decision_has_reasons(first: Any, second: Any) -> None:
     if not isinstance(decision, Reuse):
         assert decision.reasons
         assert all(str(r) for r in decision.reasons)
+
+
+@given(st.lists(st.tuples(call_args, st.booleans(), st.booleans()), min_size=1, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_grad_mode_entries_serve_only_their_mode(history: list[Any]) -> None:
+    """Calls in either grad mode, some of whose exports read grad mode: after resolving, an
+    entry traced for one mode is reused only by calls in that mode, an entry that did not
+    read it by calls in both; resolving, deciding and applying again is always a Reuse."""
+    state: ExportState[str] = ExportState(maxsize=16)
+    for args, grad_enabled, reads in history:
+        call = resolve(state, attrs.evolve(make_call(*args), grad_enabled=grad_enabled))
+        decision = decide(state, call)
+        if isinstance(decision, Reuse):
+            assert call.key.grad_mode in (None, grad_enabled)
+        if isinstance(decision, Reexport) and reads:
+            call = traced_for_grad_mode(call)
+        state = apply(state, call, decision, "payload")
+        again = resolve(state, attrs.evolve(make_call(*args), grad_enabled=grad_enabled))
+        assert decide(state, again) == Reuse()
+        other = resolve(state, attrs.evolve(make_call(*args), grad_enabled=not grad_enabled))
+        entry = state.lookup(again.key)
+        assert entry is not None
+        if entry.key.grad_mode is not None and state.lookup(other.key) is not None:
+            assert state.lookup(other.key) is not entry  # the other mode never shares it
 
 
 class TransitionMachine(RuleBasedStateMachine):

@@ -483,3 +483,48 @@ def test_configure_rejects_unknown_options_and_keeps_state() -> None:
     ):
         ortfx.configure(wrapped, bogus=1)
     assert ortfx.options_of(wrapped) == ortfx.Options()
+
+
+class GradModeBranch(nn.Module):
+    """Branches on grad mode, as transformers' checkpointed layers do; grad-mode contexts of
+    its own inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shift = self.offset.mean()
+        y = self.lin(x) - shift
+        return y * 2 if torch.is_grad_enabled() else y - 1
+
+
+def test_a_branch_on_grad_mode_gets_a_graph_per_mode() -> None:
+    """Each grad mode gets the branch PyTorch takes (outputs and gradients equal eager's,
+    1e-6), one export per mode, reused when the mode comes back; the transition says why;
+    ortfx leaves grad mode as it found it. A module that never asks shares one graph."""
+    torch.manual_seed(0)
+    eager = GradModeBranch()
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager))
+    for _ in range(2):
+        expected, got = eager(X), wrapped(X)
+        assert torch.is_grad_enabled()
+        assert torch.allclose(expected, got, atol=1e-6)
+        expected.sum().backward()
+        got.sum().backward()
+        for p, q in zip(eager.parameters(), wrapped.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6)  # type: ignore[arg-type]
+        with torch.no_grad():
+            assert torch.allclose(eager(X), wrapped(X), atol=1e-6)
+            assert not torch.is_grad_enabled()
+    assert ortfx.stats(wrapped).exports == 2
+    assert [str(t) for t in ortfx.explain(wrapped)][1] == (
+        "re-export: grad mode was enabled, now disabled (the module reads torch.is_grad_enabled())"
+    )
+    plain = ortfx.ORTModule(nn.Linear(4, 4))
+    plain(X).sum().backward()
+    with torch.no_grad():
+        plain(X)
+    assert ortfx.stats(plain).exports == 1

@@ -254,6 +254,17 @@ def checkpoint_calls(log: WrapperLog, calls: int, level: int) -> None:
         log.log(logging.WARNING, errors.CHECKPOINT_NOT_RECOMPUTED, calls)
 
 
+def grad_mode_traced(log: WrapperLog, enabled: bool) -> None:
+    """One line: this graph serves calls in one grad mode only."""
+    mode = "enabled" if enabled else "disabled (torch.no_grad)"
+    log.log(
+        logging.INFO,
+        "the module reads torch.is_grad_enabled() while traced: this graph serves calls with "
+        "grad %s; a call in the other mode exports its own",
+        mode,
+    )
+
+
 def memory_plans(
     log: WrapperLog,
     options: Options,

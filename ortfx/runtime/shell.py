@@ -93,8 +93,10 @@ from ortfx.transitions import (
     note_fallback_call,
     note_session,
     replace_payload,
+    resolve,
     signature,
     start_fallback,
+    traced_for_grad_mode,
 )
 
 VERSIONS = (torch.__version__, onnx.__version__)
@@ -128,6 +130,9 @@ class Compiled:
     sized: tuple[tuple[tuple[tuple[int, ...], ...], TrainingRunner], ...] = ()
     # Why ORT could not build this eval-mode graph's gradient (its calls with grad run forward)
     forward_only: str = ""
+    # The module asked torch.is_grad_enabled() while traced: the graph serves calls in the
+    # export's grad mode only (transitions.resolve)
+    grad_mode_traced: bool = False
     # Input sizes whose empty outputs PyTorch was found to give too (see _check_empty_outputs)
     empty_checked: frozenset[tuple[tuple[int, ...], ...]] = frozenset()
     # The export call's input sizes, when the graph returns Python numbers the user's code
@@ -387,7 +392,7 @@ def attempt(
 
     check_partitioned(module, tracked.named_tensors)
     fed, tensorized = _tensorize(shell, leaves, spec)
-    call = make_call(fed, spec, _context(shell, module, tracked))
+    call = resolve(state, make_call(fed, spec, _context(shell, module, tracked)))
     _check_input_devices(fed, call.key.schema, tracked.device)
     decision = decide(state, call)
     events.emit("decide", call, decision)
@@ -406,6 +411,9 @@ def attempt(
                 attrs.evolve(shell, baked=shell.baked | set(baked), fast=None),
                 f"{', '.join(baked)} baked in",
             )
+        if compiled.grad_mode_traced and call.key.grad_mode is None:
+            call = traced_for_grad_mode(call)
+            logs.grad_mode_traced(shell.log, call.grad_enabled)
     new_state = apply(state, call, decision, compiled)
     result = execute(shell, module, fed, tracked, call, compiled, new_state)
     if isinstance(result, Retry) or shell.options.dynamic_scalars:
@@ -432,6 +440,7 @@ def _signature(
         tracked.requires_grad(),
         torch.are_deterministic_algorithms_enabled(),
         tracked.device,
+        torch.is_grad_enabled(),
     )
 
 
@@ -450,6 +459,7 @@ def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallCon
         deterministic=torch.are_deterministic_algorithms_enabled(),
         settings=session_settings(options),
         mem_efficient_grad=options.enable_mem_efficient_grad_management,
+        grad_enabled=torch.is_grad_enabled(),
     )
 
 
@@ -513,7 +523,7 @@ def realize(
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
-        info, timings, numbers = _export(shell, module, call, leaves)
+        info, timings, numbers, moded = _export(shell, module, call, leaves)
         if numbers and _returns_numbers(info):
             pinned = _tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
@@ -521,13 +531,16 @@ def realize(
         entry = shell.state.lookup(call.key)
         assert entry is not None
         info, pinned = entry.payload.info, entry.payload.pinned_sizes
+        moded = entry.key.grad_mode is not None
     state = shell.state
     first = state.stats.exports == 0 and isinstance(decision, Reexport)
     line = str(
         Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons)
     )
     logs.transition(shell.log, line, timings.render() if timings.export else "")
-    return Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned)
+    return Compiled(
+        info, timings, tracked.fingerprint(), pinned_sizes=pinned, grad_mode_traced=moded
+    )
 
 
 def _returns_numbers(info: PostExportProcessedModelInfo) -> bool:
@@ -578,7 +591,9 @@ def _refuse_layerdrop(module: torch.nn.Module) -> None:
 
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
-) -> tuple[PostExportProcessedModelInfo, Timings, bool]:
+) -> tuple[PostExportProcessedModelInfo, Timings, bool, bool]:
+    """The processed graph, the export's timings, whether the trace turned tensors into Python
+    numbers, and whether it asked for grad mode."""
     from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
 
     log = shell.log
@@ -588,14 +603,15 @@ def _export(
     dynamic = frozenset(shell.options.dynamic_scalars)
     cached = _from_disk_cache(shell, module, call, padding, dynamic)
     if isinstance(cached, PostExportProcessedModelInfo):
-        # Entries whose trace turned tensors into Python values are never stored.
-        return cached, Timings(), False
+        # Entries whose trace turned tensors into Python values or asked for grad mode are
+        # never stored.
+        return cached, Timings(), False, False
     # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with gathered_for_export(module):
         source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
         with watch.muted(module), captured(log, "the ONNX export"):
-            exported = export(source, leaves, call.key.schema, call.key.options)
+            exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     # Imported here: ortfx.aten builds on the TorchScript exporter, which may be missing.
@@ -626,7 +642,8 @@ def _export(
     mode = "training" if call.key.training else "inference"
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
     logs.save_onnx(prefix, "post_processed", mode, info.model)
-    return info, Timings(export=exported.seconds), exported.numbers_from_tensors
+    timings = Timings(export=exported.seconds)
+    return info, timings, exported.numbers_from_tensors, exported.reads_grad_mode
 
 
 def _from_disk_cache(
@@ -676,6 +693,8 @@ def _to_disk_cache(
         if exported.custom_functions
         else "the graph returns Python numbers computed from tensors"
         if exported.numbers_from_tensors
+        else "the module reads torch.is_grad_enabled(), so the graph depends on grad mode"
+        if exported.reads_grad_mode
         else f"the tracer baked in a branch on tensor values ({branches[0]})"
         if branches
         else "the tracer baked in values while scalars are fed as tensors (dynamic_scalars)"
