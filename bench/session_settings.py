@@ -80,6 +80,11 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         _set("enable_mem_reuse", lambda o: True),
         {},
     ),
+    "relu-grad-ort": (
+        "gradient pass off: passes.relu_grad_in_torch (ORT's ReluGrad, torch's NaN rule as Where)",
+        None,
+        {},
+    ),
     "no-empty-reductions": (
         "gradient pass off: reductions.drop_empty_broadcast_reductions (2026-11-24)", None, {},
     ),
@@ -89,6 +94,7 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
 # returns), patched for the sessions built while the variant is active.
 PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "no-empty-reductions": [("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0)],
+    "relu-grad-ort": [("ortfx.passes", "relu_grad_in_torch", False)],
 }
 
 

@@ -116,6 +116,10 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # CTC loss (wav2vec2 and other CTC heads)
     ("ctc_loss", ""): Routed(_ctc_loss, _CTC),
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
+    # ORT's ReluGrad is a scalar loop, 30-50x slower than torch's kernel (gradient-model pass)
+    ("threshold_backward", ""): Routed(
+        torch.ops.aten.threshold_backward, ("tensor", "tensor", "float")
+    ),
     # ORT's LogSoftmaxGrad kernel is about twice as slow as torch's (gradient-model pass)
     ("_log_softmax_backward_data", ""): Routed(_log_softmax_backward, ("tensor", "tensor", "int")),
     # index_add with repeated indices: ONNX ScatterND writes, torch adds

@@ -223,3 +223,49 @@ def test_log_softmax_gradient_runs_in_torch(dim: int, monkeypatch: pytest.Monkey
         for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
             assert torch.allclose(p.grad, q.grad, atol=1e-5), name  # type: ignore[arg-type]
     assert len(calls) == 2 * 3  # two log-softmax gradients per backward
+
+
+def test_relu_gradient_runs_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORT's ReluGrad is a scalar loop about 30x slower than torch's kernel: the gradient model
+    runs torch's ``threshold_backward`` (``passes.relu_grad_in_torch``), which is also exactly
+    eager's rule at NaN and at 0. ReLU as a module, a function and in place, float32 and
+    float64, NaN and 0 inputs, two batch sizes: input and parameter gradients equal PyTorch's
+    (1e-6, NaN where PyTorch's are); counted, so a silently skipped rewrite fails."""
+    from ortfx import aten
+
+    key = ("threshold_backward", "")
+    routed = aten.ROUTED[key]
+    calls: list[torch.dtype] = []
+
+    def counted(grad: torch.Tensor, *rest: object) -> torch.Tensor:
+        calls.append(grad.dtype)
+        return routed.function(grad, *rest)  # type: ignore[no-any-return]
+
+    monkeypatch.setitem(aten.ROUTED, key, aten.Routed(counted, routed.arguments))
+
+    class Relus(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+            self.act = torch.nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.act(self.a(x)) - 0.1)
+            return self.b(torch.nn.functional.relu(h * 2, inplace=True) + x.relu().sum(-1, True))
+
+    strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        model = Relus().to(dtype)
+        wrapped = ortfx.ORTModule(copy.deepcopy(model), options=strict)
+        for batch in (3, 5):
+            x = torch.randn(batch, 4, dtype=dtype)
+            x[0, 1], x[1, 2], x[2] = float("nan"), 0.0, 0.0
+            xe, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+            for m, xi in ((model, xe), (wrapped, xw)):
+                m.zero_grad()
+                m(xi).sum().backward()
+            assert torch.allclose(xe.grad, xw.grad, atol=1e-6, equal_nan=True)  # type: ignore[arg-type]
+            for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
+                assert torch.allclose(p.grad, q.grad, atol=1e-6, equal_nan=True), name  # type: ignore[arg-type]
+    assert calls == [torch.float32] * 8 + [torch.float64] * 8  # four ReLU gradients per backward

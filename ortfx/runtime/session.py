@@ -613,7 +613,8 @@ def _gradient_passes(model: bytes, *, fed_params: bool, forward: bytes = b"") ->
 
     - broadcast reductions that never reduce, dropped
       (``reductions.drop_empty_broadcast_reductions``, with ``forward``'s inferred shapes);
-    - torch's NaN semantics for ``ReluGrad`` (``relu_grad_passes_nan``);
+    - ``ReluGrad`` as torch's ``threshold_backward`` (``relu_grad_in_torch``; without the
+      bridge, torch's NaN semantics in ONNX ops, ``relu_grad_passes_nan``);
     - torch's log-softmax gradient (``log_softmax_grad_in_torch``);
     - for memory-efficient gradients, ``feeds_after_readers``.
 
@@ -630,6 +631,9 @@ def _gradient_passes(model: bytes, *, fed_params: bool, forward: bytes = b"") ->
     proto = onnx.load_model_from_string(model)
     shapes = reductions.forward_shapes(forward) if broadcasts and forward else {}
     changed = broadcasts and reductions.drop_empty_broadcast_reductions(proto, shapes) > 0
+    # torch's ReluGrad through the ATen executor; without it (no bridge), torch's NaN rule
+    # in ONNX ops for every ReluGrad left
+    changed = (relu and aten.install() and passes.relu_grad_in_torch(proto)) or changed
     changed = (relu and passes.relu_grad_passes_nan(proto)) or changed
     changed = (log_softmax and passes.log_softmax_grad_in_torch(proto)) or changed
     if fed_params:
