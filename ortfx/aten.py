@@ -116,6 +116,9 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # CTC loss (wav2vec2 and other CTC heads)
     ("ctc_loss", ""): Routed(_ctc_loss, _CTC),
     ("ctc_loss_backward", ""): Routed(_ctc_loss_backward, ("tensor", *_CTC)),
+    # tensor.detach(): a copy (ORT assumes an op's output is a buffer of its own) whose input
+    # edge ORT's gradient builder never crosses (STOP_GRADIENT)
+    ("detach", ""): Routed(torch.clone, ("tensor",)),
     # ORT's ReluGrad is a scalar loop, 30-50x slower than torch's kernel (gradient-model pass)
     ("threshold_backward", ""): Routed(
         torch.ops.aten.threshold_backward, ("tensor", "tensor", "float")
@@ -174,6 +177,9 @@ STANDARD_GRADIENTS: Final[
     ],
 }
 
+# Inputs of routed ops that gradients never flow through (ORT's gradient builder stops there).
+STOP_GRADIENT: Final[dict[str, tuple[int, ...]]] = {"detach": (0,)}
+
 _SCALARS: Final[dict[str, Callable[[Any], Any]]] = {"int": int, "float": float, "bool": bool}
 
 
@@ -222,6 +228,8 @@ def install() -> bool:
         C.register_aten_op_executor(str(is_tensor), str(run))
         for op, nodes in GRADIENTS.items():
             C.register_gradient_definition(f"{DOMAIN}::ATen::{op}::", _gradient_nodes(C, nodes))
+        for op, edges in STOP_GRADIENT.items():
+            C.register_custom_stop_gradient_edges(f"{DOMAIN}::ATen::{op}::", set(edges))
         _installed.append(True)
         return True
 

@@ -201,10 +201,14 @@ def grad_mode_as_called(enabled: bool) -> Iterator[list[int]]:
     """
     asked = [0]
     real = torch.is_grad_enabled
+    exporting = threading.get_ident()
 
     def answer() -> bool:
-        # Grad-mode contexts (no_grad, set_grad_enabled) save the real mode to restore it,
-        # and the exporter's own machinery asks too: they get the truth, uncounted.
+        # Other threads (a concurrent inference call) get the truth, as do grad-mode contexts
+        # (no_grad and set_grad_enabled save the real mode to restore it) and the exporter's
+        # own machinery: neither is the model branching.
+        if threading.get_ident() != exporting:
+            return real()
         if sys._getframe(1).f_globals.get("__name__", "").startswith(_TORCH_MACHINERY):
             return real()
         asked[0] += 1

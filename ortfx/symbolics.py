@@ -26,7 +26,8 @@ symbolic registry:
 - ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
   gradients at inf, at ties and at NaN (see :func:`_bounded`);
 - the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
-  ``ctc_loss``), written as ATen nodes, if the bridge's executor could be installed.
+  ``ctc_loss``), written as ATen nodes, if the bridge's executor could be installed; and
+  ``detach``, an ATen node whose input edge ORT's gradient builder does not cross.
 
 Imported only by the TorchScript export path (it imports torch.onnx's TorchScript modules).
 """
@@ -457,6 +458,38 @@ def index_add(g: Any, x: Any, dim: Any, index: Any, source: Any, alpha: Any = No
     return g.op("Add", x, _aten_node(g, "index_add", args, x, rank if rank is not None else 1))
 
 
+def _is_floating(x: Any) -> bool:
+    dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def detach(g: Any, x: Any) -> Any:
+    """``x.detach()`` as an ATen node ORT's gradient builder does not cross (the exporter
+    drops detach, and ORT then differentiated straight through it). Only floating tensors
+    carry gradients; anything else stays as it is."""
+    if not _is_floating(x):
+        return x
+    node = g.op(f"{aten.DOMAIN}::ATen", x, operator_s="detach", overload_name_s="")
+    node.setType(x.type())
+    out = g.op("Identity", node)  # see _aten_node: ORT cannot infer an ATen node's type
+    out.setType(x.type())
+    return out
+
+
+DETACH_NEEDS_BRIDGE = (
+    "the forward calls .detach() on a floating tensor; ortfx keeps it from ONNX Runtime's "
+    "gradient with an ATen node run by its compiled bridge (ortfx._bridge), which could not "
+    "be loaded. Reinstall ortfx with a C++ compiler available (`pip install -e .`), or let "
+    "ortfx fall back to PyTorch."
+)
+
+
+def _detach_without_bridge(g: Any, x: Any) -> Any:
+    if _is_floating(x):
+        raise RuntimeError(DETACH_NEEDS_BRIDGE)
+    return x
+
+
 @helper.parse_args("v", "i", "f", "f")
 def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
     """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
@@ -518,6 +551,7 @@ ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
     "aten::_grouped_mm": (grouped_mm, 9),
     "aten::ctc_loss": (ctc_loss, 9),
     "aten::index_add": (index_add, 9),
+    "aten::detach": (detach, 9),
 }
 
 
@@ -616,5 +650,7 @@ def register() -> None:
         if aten.install():  # ops run by torch inside the graph need the bridge's executor
             for name, (symbolic, opset) in ATEN_SYMBOLICS.items():
                 register_op(name, symbolic, opset)
+        else:  # never let ORT differentiate through a detach silently
+            register_op("aten::detach", _detach_without_bridge, 9)
         register_op("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14)
         _registered.append(True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import onnx
+import onnxscript
 import torch
 from onnxscript import opset18
 
@@ -30,6 +32,56 @@ def relu6(x: Any) -> Any:
     return hardtanh(x, 0.0, 6.0)
 
 
+def _aten_schema() -> onnx.defs.OpSchema:
+    """ORT's ``org.pytorch.aten::ATen`` (run by ortfx's executor), as onnxscript needs it."""
+    Param, Attr = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.Attribute
+    string = onnx.defs.OpSchema.AttrType.STRING
+    return onnx.defs.OpSchema(
+        "ATen",
+        "org.pytorch.aten",
+        1,
+        inputs=[
+            Param(
+                "inputs",
+                "T",
+                param_option=onnx.defs.OpSchema.FormalParameterOption.Variadic,
+                is_homogeneous=False,
+            )
+        ],
+        outputs=[
+            Param(
+                "outputs",
+                "T",
+                param_option=onnx.defs.OpSchema.FormalParameterOption.Variadic,
+                is_homogeneous=False,
+            )
+        ],
+        type_constraints=[
+            ("T", [f"tensor({t})" for t in ("float", "double", "float16", "bfloat16")], "")
+        ],
+        attributes=[Attr("operator", string, ""), Attr("overload_name", string, "")],
+    )
+
+
+_ATEN_OP: Any = onnxscript.values.Op(
+    onnxscript.values.Opset("org.pytorch.aten", 1), "ATen", _aten_schema()
+)
+
+
+def detach(x: Any) -> Any:
+    """``x.detach()`` as the ATen node ORT's gradient builder does not cross (see
+    :func:`ortfx.symbolics.detach` and ``passes.detach_inputs_behind_identity``)."""
+    return _ATEN_OP(x, operator="detach", overload_name="")
+
+
 def table() -> dict[Any, Any]:
     """The ``custom_translation_table`` for ``torch.onnx.export(dynamo=True)``."""
-    return {torch.ops.aten.hardtanh.default: hardtanh, torch.ops.aten.relu6.default: relu6}
+    entries: dict[Any, Any] = {
+        torch.ops.aten.hardtanh.default: hardtanh,
+        torch.ops.aten.relu6.default: relu6,
+    }
+    from ortfx import aten
+
+    if aten.install():  # the executor runs the ATen node
+        entries[torch.ops.aten.detach.default] = detach
+    return entries

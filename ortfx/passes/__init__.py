@@ -349,6 +349,33 @@ def _nonzero_constant(model: onnx.ModelProto, name: str) -> bool:
 
 
 @graph_pass
+def detach_inputs_behind_identity(model: onnx.ModelProto) -> bool:
+    """``x.detach()`` of a graph input (a parameter, a user input) reads it through an
+    ``Identity``.
+
+    Both exporters write ``detach`` as an ATen node whose input edge ORT's gradient builder
+    does not cross (``aten.STOP_GRADIENT``); but the builder differentiates every direct
+    consumer of an input that requires grad regardless, and ATen ``detach`` has no gradient:
+    the build failed. Through the ``Identity`` the stop edge holds (eager: no gradient).
+    """
+    inputs = {v.name for v in model.graph.input}
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        operator = next((a.s for a in node.attribute if a.name == "operator"), b"")
+        if node.op_type == "ATen" and operator == b"detach" and node.input[0] in inputs:
+            read = f"{node.name or f'detach_{i}'}_input"
+            nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [read], name=read))
+            node.input[0] = read
+            changed = True
+        nodes.append(node)
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
+@graph_pass
 def guard_integer_division(model: onnx.ModelProto) -> bool:
     """Integer ``Div``/``Mod`` by a divisor that may be zero fail cleanly instead of crashing.
 
@@ -1261,6 +1288,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
     """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
         add_pythonop_ctx,
+        detach_inputs_behind_identity,
         guard_integer_division,
         reductions_keep_dims,
         where_gradients_reduce,
