@@ -36,26 +36,13 @@ def _aten_schema() -> onnx.defs.OpSchema:
     """ORT's ``org.pytorch.aten::ATen`` (run by ortfx's executor), as onnxscript needs it."""
     Param, Attr = onnx.defs.OpSchema.FormalParameter, onnx.defs.OpSchema.Attribute
     string = onnx.defs.OpSchema.AttrType.STRING
+    variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
     return onnx.defs.OpSchema(
         "ATen",
         "org.pytorch.aten",
         1,
-        inputs=[
-            Param(
-                "inputs",
-                "T",
-                param_option=onnx.defs.OpSchema.FormalParameterOption.Variadic,
-                is_homogeneous=False,
-            )
-        ],
-        outputs=[
-            Param(
-                "outputs",
-                "T",
-                param_option=onnx.defs.OpSchema.FormalParameterOption.Variadic,
-                is_homogeneous=False,
-            )
-        ],
+        inputs=[Param("inputs", "T", param_option=variadic, is_homogeneous=False)],
+        outputs=[Param("outputs", "T", param_option=variadic, is_homogeneous=False)],
         type_constraints=[
             ("T", [f"tensor({t})" for t in ("float", "double", "float16", "bfloat16")], "")
         ],
