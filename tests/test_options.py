@@ -211,9 +211,34 @@ def test_info_logs_transition_costs_and_feature_table(caplog: pytest.LogCaptureF
         "Save ONNX",
         "Deterministic compute",
         "Threads",
+        "torch's OpenMP waits",
     ):
         assert f"  {feature}" in table
     assert "ORTMODULE_FALLBACK_POLICY" in table
+
+
+@pytest.mark.parametrize(
+    ("policy", "threads", "shown", "hint"),
+    [
+        ("", 2, "spinning (OMP_WAIT_POLICY unset)", True),
+        ("passive", 2, "PASSIVE", False),
+        ("", 1, "spinning (OMP_WAIT_POLICY unset)", False),
+    ],
+)
+def test_feature_table_says_whether_torchs_openmp_threads_spin(
+    monkeypatch: pytest.MonkeyPatch, policy: str, threads: int, shown: str, hint: bool
+) -> None:
+    """With several threads, spinning OpenMP workers of torch take ORT's cores: the table
+    shows the policy and, when it is not PASSIVE, how to change it."""
+    from ortfx.runtime import logs
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    table = logs.feature_table(
+        ortfx.Options(intra_op_threads=threads), "torchscript", deterministic=False
+    )
+    row = next(line for line in table.splitlines() if "OpenMP" in line)
+    assert shown in row
+    assert ("OMP_WAIT_POLICY=PASSIVE before Python starts" in row) == hint
 
 
 class Odd:
