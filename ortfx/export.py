@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 import onnx
+import optree
 import torch
 
 from ortfx import io
@@ -189,37 +190,110 @@ def _rebind(
 _TORCH_MACHINERY = ("torch.autograd", "torch.onnx", "torch.jit", "torch._")
 
 
+class _NoGradRegion(torch.overrides.TorchFunctionMode):
+    """On while the forward's own ``torch.no_grad()`` region runs in the export of a call made
+    with grad enabled: an op there that reads a tensor which may carry a gradient gives its
+    outputs through ``detach``, which the exporter keeps as a gradient stop (ATen ``detach``).
+    Eager gives such outputs no gradient; without this, ORT differentiated through them.
+
+    May carry a gradient: parameters and user inputs that require grad, and any tensor made
+    before the region (the export runs under ``no_grad``, so which of those derive from
+    parameters is unknown: a needless stop changes no gradient). Not: buffers, and what the
+    region made itself.
+    """
+
+    def __init__(self, buffers: set[int], inputs: dict[int, bool]) -> None:
+        super().__init__()
+        self.buffers, self.inputs = buffers, inputs
+        self.made: dict[int, torch.Tensor] = {}  # kept alive, so that ids stay unique
+        self.handling = 0  # inside a handler torch has popped this mode: never push or pop
+
+    def _carries(self, t: Any) -> bool:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return False
+        if id(t) in self.made or id(t) in self.buffers:
+            return False
+        if isinstance(t, torch.nn.Parameter):
+            return t.requires_grad
+        return self.inputs.get(id(t), True)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        self.handling += 1
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.handling -= 1
+        given: Any = (args, kwargs or {})
+        stop = func not in _NOT_DETACHED and any(
+            self._carries(a) for a in optree.tree_leaves(given, namespace=io.NAMESPACE)
+        )
+        in_place = getattr(func, "__name__", "").endswith("_")
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if stop and not in_place and value.is_floating_point():
+                    value = value.detach()
+                self.made[id(value)] = value
+            return value
+
+        return optree.tree_map(mark, out, namespace=io.NAMESPACE)
+
+
+_NOT_DETACHED = frozenset({torch.Tensor.detach, torch.Tensor.requires_grad_})
+
+
 @contextlib.contextmanager
-def grad_mode_as_called(enabled: bool) -> Iterator[list[int]]:
-    """Trace with autograd off, while ``torch.is_grad_enabled()`` answers the call's mode.
+def grad_mode_as_called(enabled: bool, region: _NoGradRegion | None = None) -> Iterator[list[int]]:
+    """Trace with autograd off, while the module sees the call's grad mode.
 
     Code may branch on grad mode: transformers' checkpointed layers take the checkpoint branch,
-    and drop their cache arguments, only with grad enabled. Tracing under ``no_grad`` alone
-    would take the other branch for a training call. Autograd itself stays off (tracing records
-    no backward graph). The answer is ``enabled`` even inside a ``torch.no_grad()`` block of the
-    forward itself (not seen in practice). Yields a one-item list counting the questions.
+    and drop their cache arguments, only with grad enabled. On the exporting thread, grad-mode
+    changes become virtual (autograd itself stays off: tracing records no backward graph) and
+    ``torch.is_grad_enabled()`` answers the virtual mode, starting from ``enabled``. With
+    ``region``, the forward's own no-grad regions become gradient stops (:class:`_NoGradRegion`,
+    entered and left with them, so that outside them the tracer's warnings keep pointing at
+    the model's lines). Yields a one-item list counting the module's questions.
     """
     asked = [0]
-    real = torch.is_grad_enabled
+    real, set_real = torch.is_grad_enabled, torch._C._set_grad_enabled
     exporting = threading.get_ident()
+    virtual = [enabled]
+    active = [False]
 
     def answer() -> bool:
-        # Other threads (a concurrent inference call) get the truth, as do grad-mode contexts
-        # (no_grad and set_grad_enabled save the real mode to restore it) and the exporter's
-        # own machinery: neither is the model branching.
         if threading.get_ident() != exporting:
-            return real()
-        if sys._getframe(1).f_globals.get("__name__", "").startswith(_TORCH_MACHINERY):
-            return real()
-        asked[0] += 1
-        return enabled or real()
+            return real()  # a concurrent inference call on another thread
+        # Grad-mode contexts saving the mode to restore, and the exporter, are not the model.
+        if not sys._getframe(1).f_globals.get("__name__", "").startswith(_TORCH_MACHINERY):
+            asked[0] += 1
+        return virtual[0]
 
-    torch.is_grad_enabled = answer
-    try:
-        with torch.no_grad():
+    def setting(mode: bool) -> None:
+        if threading.get_ident() != exporting:
+            set_real(mode)
+            return
+        virtual[0] = mode
+        want = region is not None and enabled and not mode
+        if region is None or region.handling or want == active[0]:
+            return  # (inside a handler: the region's mode is popped; it stays as it is)
+        if want:
+            region.__enter__()  # type: ignore[no-untyped-call]
+        else:
+            region.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        active[0] = want
+
+    with torch.no_grad():
+        torch.is_grad_enabled = answer
+        torch._C._set_grad_enabled = setting  # type: ignore[assignment]
+        try:
             yield asked
-    finally:
-        torch.is_grad_enabled = real
+        finally:
+            torch._C._set_grad_enabled = set_real
+            torch.is_grad_enabled = real
+            if active[0] and region is not None:
+                region.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager
@@ -831,6 +905,13 @@ def export(
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
     traced = checkpoints_traced_directly(module)
+    region = None
+    if grad_enabled and exporter is _export_torchscript:
+        # The dynamo exporter traces through its own modes: its no-grad regions stay a gap.
+        region = _NoGradRegion(
+            {id(b) for b in module.buffers()},
+            {id(t): schema.requires_grad[i] for t, i in zip(tensors, positions, strict=True)},
+        )
     dynamo = exporter is _export_dynamo
     try:
         with (
@@ -838,7 +919,7 @@ def export(
             preserved_random_state(),
             state_preserved(module),
             batch_norm_updates_in_graph(module),
-            grad_mode_as_called(grad_enabled) as asked,
+            grad_mode_as_called(grad_enabled, region) as asked,
             traced as calls,
             functions_called(profile=dynamo) as functions,
         ):
