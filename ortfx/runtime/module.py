@@ -362,8 +362,18 @@ def _user_methods(cls: type) -> list[tuple[str, Callable[..., Any]]]:
 
 
 def _uses_super(function: Callable[..., Any]) -> bool:
-    """Zero-argument ``super()`` needs ``self`` to be an instance of the defining class."""
-    return "__class__" in function.__code__.co_freevars
+    """Zero-argument ``super()`` needs ``self`` to be an instance of the defining class. Looks
+    through decorators that keep ``__wrapped__`` (``functools.wraps``), as transformers' own
+    deprecation decorators on ``prepare_inputs_for_generation`` do (Phi-3)."""
+    seen: set[int] = set()
+    current: Any = function
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "__code__", None)
+        if code is not None and "__class__" in code.co_freevars:
+            return True
+        current = getattr(current, "__wrapped__", None)
+    return False
 
 
 # True while a wrapper runs its module (export, fallback): the module's calls are its own.
