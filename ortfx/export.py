@@ -78,6 +78,13 @@ DYNAMO_NEEDS_ONNXSCRIPT = (
     "Install it (`pip install ortfx[dynamo]`) or use Options(exporter='torchscript')."
 )
 
+GRADIENT_HOOK_IN_FORWARD = (
+    "the forward of {module} registers a gradient hook on an intermediate tensor "
+    "(Tensor.register_hook at {where}); ONNX Runtime computes the backward of the exported "
+    "graph without it, so the gradients would differ from PyTorch's. Write the change to the "
+    "gradient as a custom torch.autograd.Function (ortfx runs it inside the graph with its "
+    "backward), or run the module in PyTorch (the default fallback policy does)."
+)
 CUSTOM_FUNCTIONS_DISABLED = (
     "the module calls the custom torch.autograd.Function(s) {names}, and custom Functions are "
     "turned off (Options(enable_custom_autograd_function=False) or "
@@ -294,6 +301,37 @@ def grad_mode_as_called(enabled: bool, region: _NoGradRegion | None = None) -> I
             torch.is_grad_enabled = real
             if active[0] and region is not None:
                 region.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+@contextlib.contextmanager
+def gradient_hooks_watched(grad_enabled: bool) -> Iterator[list[str]]:
+    """For a call with grad enabled, record where the forward calls ``Tensor.register_hook``
+    while traced (exporting thread only), as ``file:line``; the call does nothing then (under
+    the export's ``no_grad`` it would raise, and the graph could not honour it anyway). For a
+    call without grad it raises as in eager."""
+    found: list[str] = []
+    real = torch.Tensor.register_hook
+    exporting = threading.get_ident()
+
+    def watched(self: torch.Tensor, hook: Any) -> Any:
+        if not grad_enabled or threading.get_ident() != exporting:
+            return real(self, hook)  # type: ignore[no-untyped-call]
+        caller = sys._getframe(1)
+        found.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
+        return _NoHandle()
+
+    torch.Tensor.register_hook = watched  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        torch.Tensor.register_hook = real  # type: ignore[method-assign]
+
+
+class _NoHandle:
+    """What ``register_hook`` returns while traced: removing it does nothing."""
+
+    def remove(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -922,6 +960,7 @@ def export(
             grad_mode_as_called(grad_enabled, region) as asked,
             traced as calls,
             functions_called(profile=dynamo) as functions,
+            gradient_hooks_watched(grad_enabled) as hooks,
         ):
             retry = False
             try:
@@ -942,6 +981,10 @@ def export(
                 calls[0] = 0
                 with function_bodies_untraced():
                     model = exporter(flat, tensors, input_names, options.opset_version)
+            if hooks and grad_enabled:
+                raise OrtfxExportError(
+                    GRADIENT_HOOK_IN_FORWARD.format(module=type(module).__name__, where=hooks[0])
+                )
             if functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(CUSTOM_FUNCTIONS_DISABLED.format(names=_names(functions)))
             if functions and dynamo:

@@ -4,6 +4,7 @@ eval-mode calls whose gradient graph ORT cannot build; higher-order gradients.""
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import subprocess
 import sys
@@ -262,3 +263,43 @@ def test_importing_ortfx_leaves_upstream_front_end_and_torch_alone() -> None:
         "grads equal True",
         "user import True",
     ]
+
+
+class HookedForward(nn.Module):
+    """Scales an intermediate's gradient with a hook registered inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h.register_hook(lambda g: g * 10)
+        return h.pow(2).sum()
+
+
+def test_gradient_hooks_registered_in_the_forward_are_never_dropped_silently() -> None:
+    """ORT's backward cannot run a hook registered on an intermediate inside the forward (it
+    was dropped, silently). Strict: a typed export error that names the line; the default
+    policy: PyTorch runs the module, gradients equal eager's (1e-6); a call without grad
+    raises PyTorch's own error, as eager does."""
+    from ortfx.export import GRADIENT_HOOK_IN_FORWARD
+
+    torch.manual_seed(0)
+    eager = HookedForward()
+    line = inspect.getsourcelines(HookedForward.forward)[1] + 2
+    strict = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    with pytest.raises(ortfx.OrtfxExportError) as info:
+        strict(torch.randn(3, 4))
+    where = f"test_robustness.py:{line}"
+    assert str(info.value) == GRADIENT_HOOK_IN_FORWARD.format(module="HookedForward", where=where)
+    default = ortfx.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    eager(x).backward()
+    default(x).backward()
+    assert ortfx.stats(default).fallback_calls == 1
+    for p, q in zip(eager.parameters(), default.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)  # type: ignore[arg-type]
+    plain = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cannot register a hook"):
+        plain(x)
