@@ -177,6 +177,13 @@ STANDARD_GRADIENTS: Final[
     ],
 }
 
+DETACH_NEEDS_BRIDGE = (
+    "the forward calls .detach() on a floating tensor; ortfx keeps it from ONNX Runtime's "
+    "gradient with an ATen node run by its compiled bridge (ortfx._bridge), which could not "
+    "be loaded. Reinstall ortfx with a C++ compiler available (`pip install -e .`), or let "
+    "ortfx fall back to PyTorch."
+)
+
 # Inputs of routed ops that gradients never flow through (ORT's gradient builder stops there).
 STOP_GRADIENT: Final[dict[str, tuple[int, ...]]] = {"detach": (0,)}
 

@@ -981,7 +981,7 @@ def export(
                 calls[0] = 0
                 with function_bodies_untraced():
                     model = exporter(flat, tensors, input_names, options.opset_version)
-            if hooks and grad_enabled:
+            if hooks:  # only recorded for calls with grad
                 raise OrtfxExportError(
                     GRADIENT_HOOK_IN_FORWARD.format(module=type(module).__name__, where=hooks[0])
                 )
@@ -999,6 +999,9 @@ def export(
         unsupported = _in_chain(e, OrtfxIOError)
         if unsupported is not None:
             raise unsupported from None  # data ortfx cannot carry: the data policy decides
+        refused = _in_chain(e, OrtfxExportError)
+        if refused is not None:
+            raise refused from None  # ortfx's own refusal from a symbolic or a translation
         if flat.raised is not None:
             raise_if_pytorch_raises(module, leaves, schema)
         other = "dynamo" if options.exporter == "torchscript" else "torchscript"

@@ -46,6 +46,7 @@ import torch.onnx.symbolic_opset11 as opset11
 import torch.onnx.symbolic_opset14 as opset14
 
 from ortfx import aten
+from ortfx.errors import OrtfxExportError
 
 _INT64_MAX = 2**63 - 1
 _NEWEST_OPSET = 25  # beyond the TorchScript exporter's newest; registrations past it are unused
@@ -122,9 +123,10 @@ def cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
 # ---- ops run by torch inside the graph (ortfx.aten): symbolics that write ATen nodes ---------
 
 
-def _aten_node(g: Any, op: str, inputs: Sequence[Any], like: Any, rank: int) -> Any:
+def _aten_node(g: Any, op: str, inputs: Sequence[Any], like: Any, rank: int | None) -> Any:
     node = g.op(f"{aten.DOMAIN}::ATen", *inputs, operator_s=op, overload_name_s="")
-    node.setType(like.type().with_sizes([None] * rank))  # like's dtype; sizes unknown
+    # like's dtype, sizes unknown; rank None: like's own type, sizes included
+    node.setType(like.type() if rank is None else like.type().with_sizes([None] * rank))
     # ORT cannot infer an ATen node's output type; an intermediate value keeps the type the
     # exporter records for it, a graph output would lose it in the gradient graph.
     out = g.op("Identity", node)
@@ -467,26 +469,12 @@ def detach(g: Any, x: Any) -> Any:
     """``x.detach()`` as an ATen node ORT's gradient builder does not cross (the exporter
     drops detach, and ORT then differentiated straight through it). Only floating tensors
     carry gradients; anything else stays as it is."""
-    if not _is_floating(x):
-        return x
-    node = g.op(f"{aten.DOMAIN}::ATen", x, operator_s="detach", overload_name_s="")
-    node.setType(x.type())
-    out = g.op("Identity", node)  # see _aten_node: ORT cannot infer an ATen node's type
-    out.setType(x.type())
-    return out
-
-
-DETACH_NEEDS_BRIDGE = (
-    "the forward calls .detach() on a floating tensor; ortfx keeps it from ONNX Runtime's "
-    "gradient with an ATen node run by its compiled bridge (ortfx._bridge), which could not "
-    "be loaded. Reinstall ortfx with a C++ compiler available (`pip install -e .`), or let "
-    "ortfx fall back to PyTorch."
-)
+    return _aten_node(g, "detach", [x], x, None) if _is_floating(x) else x
 
 
 def _detach_without_bridge(g: Any, x: Any) -> Any:
     if _is_floating(x):
-        raise RuntimeError(DETACH_NEEDS_BRIDGE)
+        raise OrtfxExportError(aten.DETACH_NEEDS_BRIDGE)
     return x
 
 

@@ -16,6 +16,8 @@ import onnxscript
 import torch
 from onnxscript import opset18
 
+from ortfx.errors import OrtfxExportError
+
 # onnxscript's typed opset does not accept Python floats where ONNX takes a scalar constant.
 op: Any = opset18
 
@@ -57,8 +59,14 @@ _ATEN_OP: Any = onnxscript.values.Op(
 
 def detach(x: Any) -> Any:
     """``x.detach()`` as the ATen node ORT's gradient builder does not cross (see
-    :func:`ortfx.symbolics.detach` and ``passes.detach_inputs_behind_identity``)."""
+    :func:`ortfx.symbolics.detach` and ``passes.stop_edges_behind_identity``)."""
     return _ATEN_OP(x, operator="detach", overload_name="")
+
+
+def _detach_without_bridge(x: Any) -> Any:
+    from ortfx import aten
+
+    raise OrtfxExportError(aten.DETACH_NEEDS_BRIDGE)
 
 
 def table() -> dict[Any, Any]:
@@ -69,6 +77,6 @@ def table() -> dict[Any, Any]:
     }
     from ortfx import aten
 
-    if aten.install():  # the executor runs the ATen node
-        entries[torch.ops.aten.detach.default] = detach
+    # the executor runs the ATen node; never let ORT differentiate through a detach silently
+    entries[torch.ops.aten.detach.default] = detach if aten.install() else _detach_without_bridge
     return entries

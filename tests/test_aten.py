@@ -371,3 +371,42 @@ def test_no_grad_regions_stop_gradients_as_in_pytorch() -> None:
     # bias.mean(), h.mean(0), their sum and the helper's abs, mean and + 1; none for the buffer
     assert 0 < len(stops) <= 6
     assert torch.is_grad_enabled()
+
+
+WITHOUT_BRIDGE = """
+import sys, torch, ortfx
+from ortfx import aten
+aten.install = lambda: False  # as when the compiled bridge cannot be loaded
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+    def forward(self, x):
+        h = self.lin(x)
+        return h - h.detach().mean()
+options = ortfx.Options(exporter=sys.argv[1], fallback_policy=ortfx.FallbackPolicy.DISABLE)
+try:
+    ortfx.ORTModule(M(), options=options)(torch.randn(2, 3))
+except ortfx.OrtfxExportError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_detach_without_the_bridge_is_refused_not_dropped(exporter: str) -> None:
+    """Without the executor, a detach cannot be kept from ORT's gradient: both exporters refuse
+    it with an error that says what to do (never a silent identity). In a fresh interpreter,
+    since the executor is installed once per process."""
+    import subprocess
+    import sys
+
+    from ortfx.aten import DETACH_NEEDS_BRIDGE
+
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_BRIDGE, exporter],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == f"refused: {DETACH_NEEDS_BRIDGE}"

@@ -349,25 +349,29 @@ def _nonzero_constant(model: onnx.ModelProto, name: str) -> bool:
 
 
 @graph_pass
-def detach_inputs_behind_identity(model: onnx.ModelProto) -> bool:
-    """``x.detach()`` of a graph input (a parameter, a user input) reads it through an
-    ``Identity``.
+def stop_edges_behind_identity(model: onnx.ModelProto) -> bool:
+    """An ATen node's stop-gradient input (``aten.STOP_GRADIENT``: ``x.detach()``) that is a
+    graph input (a parameter, a user input) reads it through an ``Identity``.
 
-    Both exporters write ``detach`` as an ATen node whose input edge ORT's gradient builder
-    does not cross (``aten.STOP_GRADIENT``); but the builder differentiates every direct
-    consumer of an input that requires grad regardless, and ATen ``detach`` has no gradient:
-    the build failed. Through the ``Identity`` the stop edge holds (eager: no gradient).
+    ORT's gradient builder does not cross a stop edge, except on the direct consumers of an
+    input that requires grad: it differentiates those regardless, and such an ATen node has no
+    gradient, so the build failed. Through the ``Identity`` the stop edge holds (eager: no
+    gradient).
     """
     inputs = {v.name for v in model.graph.input}
     nodes: list[onnx.NodeProto] = []
     changed = False
     for i, node in enumerate(model.graph.node):
-        operator = next((a.s for a in node.attribute if a.name == "operator"), b"")
-        if node.op_type == "ATen" and operator == b"detach" and node.input[0] in inputs:
-            read = f"{node.name or f'detach_{i}'}_input"
-            nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [read], name=read))
-            node.input[0] = read
-            changed = True
+        operator = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+        stopped = aten.STOP_GRADIENT.get(operator, ()) if node.op_type == "ATen" else ()
+        for position in stopped:
+            if position < len(node.input) and node.input[position] in inputs:
+                read = f"{node.name or f'{operator}_{i}'}_input_{position}"
+                nodes.append(
+                    onnx.helper.make_node("Identity", [node.input[position]], [read], name=read)
+                )
+                node.input[position] = read
+                changed = True
         nodes.append(node)
     if changed:
         del model.graph.node[:]
@@ -1288,7 +1292,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
     """The graph edits applied once per export (see :func:`for_export`)."""
     return chain(
         add_pythonop_ctx,
-        detach_inputs_behind_identity,
+        stop_edges_behind_identity,
         guard_integer_division,
         reductions_keep_dims,
         where_gradients_reduce,

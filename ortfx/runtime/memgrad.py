@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+import attrs
 import torch
 
 from ortfx.export import function_graph_name
@@ -126,17 +127,15 @@ def give(param: torch.Tensor, index: int, version: int, grad: torch.Tensor) -> N
         torch.autograd.backward(param, grad)
 
 
+@attrs.frozen(eq=False)
 class Fed:
     """The context of one ``FeedParameter`` node's run on the PythonOp bridge's direct path
     (:mod:`ortfx.runtime.pythonop`): what its backward needs, without an autograd node."""
 
-    __slots__ = ("index", "param", "token", "version")
-
-    def __init__(self, param: torch.Tensor, index: int, token: int) -> None:
-        self.param = param
-        self.index = index
-        self.version = param._version
-        self.token = token
+    param: torch.Tensor
+    index: int
+    version: int  # the parameter's version when ORT read it
+    token: int  # its key in the bridge's kept contexts
 
 
 class FeedParameter(torch.autograd.Function):

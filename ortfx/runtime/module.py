@@ -365,15 +365,10 @@ def _uses_super(function: Callable[..., Any]) -> bool:
     """Zero-argument ``super()`` needs ``self`` to be an instance of the defining class. Looks
     through decorators that keep ``__wrapped__`` (``functools.wraps``), as transformers' own
     deprecation decorators on ``prepare_inputs_for_generation`` do (Phi-3)."""
-    seen: set[int] = set()
-    current: Any = function
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        code = getattr(current, "__code__", None)
-        if code is not None and "__class__" in code.co_freevars:
-            return True
-        current = getattr(current, "__wrapped__", None)
-    return False
+    return any(
+        "__class__" in getattr(getattr(f, "__code__", None), "co_freevars", ())
+        for f in (function, inspect.unwrap(function))
+    )
 
 
 # True while a wrapper runs its module (export, fallback): the module's calls are its own.

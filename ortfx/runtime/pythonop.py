@@ -208,7 +208,7 @@ def _feed_forward(index: int) -> list[Any]:
     capsule = _capsule(value, frozenset())
     if run is None:
         return [None, capsule]
-    ctx = memgrad.Fed(param, index, next(_TOKENS))
+    ctx = memgrad.Fed(param, index, param._version, next(_TOKENS))
     with _LOCK:
         _CONTEXTS[ctx.token] = ctx  # also the second reference ORT wants on a training ctx
     run.append(ctx.token)

@@ -130,9 +130,6 @@ class Compiled:
     sized: tuple[tuple[tuple[tuple[int, ...], ...], TrainingRunner], ...] = ()
     # Why ORT could not build this eval-mode graph's gradient (its calls with grad run forward)
     forward_only: str = ""
-    # The module asked torch.is_grad_enabled() while traced: the graph serves calls in the
-    # export's grad mode only (transitions.resolve)
-    grad_mode_traced: bool = False
     # Input sizes whose empty outputs PyTorch was found to give too (see _check_empty_outputs)
     empty_checked: frozenset[tuple[tuple[int, ...], ...]] = frozenset()
     # The export call's input sizes, when the graph returns Python numbers the user's code
@@ -401,7 +398,7 @@ def attempt(
         assert hit is not None
         compiled = hit.payload
     else:
-        compiled = realize(shell, module, decision, call, fed, tracked, args, kwargs)
+        compiled, call = realize(shell, module, decision, call, fed, tracked, args, kwargs)
         baked = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
         if baked:
             # The module turned these tensors back into Python values (range(n), if n):
@@ -411,9 +408,6 @@ def attempt(
                 attrs.evolve(shell, baked=shell.baked | set(baked), fast=None),
                 f"{', '.join(baked)} baked in",
             )
-        if compiled.grad_mode_traced and call.key.grad_mode is None:
-            call = traced_for_grad_mode(call)
-            logs.grad_mode_traced(shell.log, call.grad_enabled)
     new_state = apply(state, call, decision, compiled)
     result = execute(shell, module, fed, tracked, call, compiled, new_state)
     if isinstance(result, Retry) or shell.options.dynamic_scalars:
@@ -514,9 +508,10 @@ def realize(
     tracked: Tracked,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> Compiled:
+) -> tuple[Compiled, Call]:
     """Export (or reuse an entry's graph for a new session); the old state stays valid if this
-    raises."""
+    raises. The call comes back with the key its entry gets (grad mode added when the export
+    found the module asking for it)."""
     assert not isinstance(decision, Reuse)
     timings = Timings()
     pinned: tuple[tuple[int, ...], ...] | None = None
@@ -527,20 +522,20 @@ def realize(
         if numbers and _returns_numbers(info):
             pinned = _tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
+        if moded:  # the module asked for grad mode: the entry serves calls in this mode only
+            call = traced_for_grad_mode(call)
+            logs.grad_mode_traced(shell.log, call.grad_enabled)
     else:
         entry = shell.state.lookup(call.key)
         assert entry is not None
         info, pinned = entry.payload.info, entry.payload.pinned_sizes
-        moded = entry.key.grad_mode is not None
     state = shell.state
     first = state.stats.exports == 0 and isinstance(decision, Reexport)
     line = str(
         Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons)
     )
     logs.transition(shell.log, line, timings.render() if timings.export else "")
-    return Compiled(
-        info, timings, tracked.fingerprint(), pinned_sizes=pinned, grad_mode_traced=moded
-    )
+    return Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned), call
 
 
 def _returns_numbers(info: PostExportProcessedModelInfo) -> bool:
