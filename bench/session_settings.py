@@ -88,6 +88,11 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
     "no-empty-reductions": (
         "gradient pass off: reductions.drop_empty_broadcast_reductions (2026-11-24)", None, {},
     ),
+    "keep-torch-threads": (
+        "Options(release_torch_threads=False): torch's OpenMP workers spin during ORT runs",
+        None,
+        {"release_torch_threads": False},
+    ),
 }  # fmt: skip
 
 # Variants that turn ortfx gradient-model passes off: (module, function, what "did nothing"

@@ -22,6 +22,8 @@ import onnx
 import torch
 import torch.utils.dlpack
 
+from ortfx.runtime import openmp
+
 DOMAIN: Final = "org.pytorch.aten"
 
 
@@ -211,7 +213,9 @@ def execute(op: str, overload: str, inputs: Sequence[Any], n_out: int) -> list[A
     if len(outputs) != n_out:
         raise RuntimeError(f"aten::{op} returned {len(outputs)} outputs, ORT expects {n_out}")
     to_dlpack: Any = torch.utils.dlpack.to_dlpack  # type: ignore[attr-defined]
-    return [to_dlpack(t.contiguous()) for t in outputs]
+    capsules = [to_dlpack(t.contiguous()) for t in outputs]
+    openmp.after_callback()
+    return capsules
 
 
 _installed: list[bool] = []

@@ -194,6 +194,9 @@ class Options:
     intra_op_threads: int | None = None
     # ORT's spinning thread pool burns cores while idle; on shared machines it hurts badly.
     allow_spinning: bool = False
+    # Release torch's idle OpenMP threads while ORT runs: after each parallel torch op they spin
+    # for milliseconds on the cores ORT's threads need (ortfx.runtime.openmp).
+    release_torch_threads: bool = True
     # ORT's CPU memory arena keeps its high-water mark: faster steps, but it hides what the
     # memory optimizer saves. Turn it off to see (and keep) the savings in RSS.
     cpu_mem_arena: bool = True
@@ -342,6 +345,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str], Any], str | None]] = {
     "ORTFX_EXPORTER": ("exporter", str.strip, "auto, torchscript, dynamo"),
     "ORTFX_INTRA_OP_THREADS": ("intra_op_threads", _threads, "a positive int"),
     "ORTFX_ALLOW_SPINNING": ("allow_spinning", _flag, "1 or 0"),
+    "ORTFX_RELEASE_TORCH_THREADS": ("release_torch_threads", _flag, "1 or 0"),
     "ORTFX_CPU_MEM_ARENA": ("cpu_mem_arena", _flag, "1 or 0"),
     "ORTFX_STRICT_TRACING": ("strict_tracing", _flag, "1 or 0"),
 }

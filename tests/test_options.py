@@ -49,6 +49,7 @@ def _fresh_env_warnings() -> None:
         ("ORTFX_EXPORTER", "dynamo", "exporter", "dynamo"),
         ("ORTFX_INTRA_OP_THREADS", "3", "intra_op_threads", 3),
         ("ORTFX_ALLOW_SPINNING", "1", "allow_spinning", True),
+        ("ORTFX_RELEASE_TORCH_THREADS", "0", "release_torch_threads", False),
         ("ORTFX_CPU_MEM_ARENA", "0", "cpu_mem_arena", False),
     ],
 )
@@ -211,34 +212,37 @@ def test_info_logs_transition_costs_and_feature_table(caplog: pytest.LogCaptureF
         "Save ONNX",
         "Deterministic compute",
         "Threads",
-        "torch's OpenMP waits",
+        "torch's OpenMP threads",
     ):
         assert f"  {feature}" in table
     assert "ORTMODULE_FALLBACK_POLICY" in table
 
 
 @pytest.mark.parametrize(
-    ("policy", "threads", "shown", "hint"),
+    ("policy", "release", "threads", "shown"),
     [
-        ("", 2, "spinning (OMP_WAIT_POLICY unset)", True),
-        ("passive", 2, "PASSIVE", False),
-        ("", 1, "spinning (OMP_WAIT_POLICY unset)", False),
+        ("", True, 2, "released while ORT runs"),
+        ("", False, 2, "spinning (release off)"),
+        ("passive", True, 2, "sleeping (OMP_WAIT_POLICY=PASSIVE)"),
+        ("", True, 1, "spinning (one thread: nothing to release)"),
     ],
 )
-def test_feature_table_says_whether_torchs_openmp_threads_spin(
-    monkeypatch: pytest.MonkeyPatch, policy: str, threads: int, shown: str, hint: bool
+def test_feature_table_says_what_happens_to_torchs_openmp_threads(
+    monkeypatch: pytest.MonkeyPatch, policy: str, release: bool, threads: int, shown: str
 ) -> None:
     """With several threads, spinning OpenMP workers of torch take ORT's cores: the table
-    shows the policy and, when it is not PASSIVE, how to change it."""
-    from ortfx.runtime import logs
+    says whether ortfx releases them, and how to change it."""
+    from ortfx.runtime import logs, openmp
 
+    assert openmp.available()  # torch's Linux CPU wheel: libgomp, OpenMP 4.5 API + 5.0 pause
     monkeypatch.setenv("OMP_WAIT_POLICY", policy)
-    table = logs.feature_table(
-        ortfx.Options(intra_op_threads=threads), "torchscript", deterministic=False
-    )
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    options = ortfx.Options(intra_op_threads=threads, release_torch_threads=release)
+    table = logs.feature_table(options, "torchscript", deterministic=False)
     row = next(line for line in table.splitlines() if "OpenMP" in line)
     assert shown in row
-    assert ("OMP_WAIT_POLICY=PASSIVE before Python starts" in row) == hint
+    assert "ORTFX_RELEASE_TORCH_THREADS=0/1" in row
+    assert openmp.wanted(options, threads) == (shown == "released while ORT runs")
 
 
 class Odd:

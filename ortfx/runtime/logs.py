@@ -16,6 +16,7 @@ import torch
 
 from ortfx import errors
 from ortfx.options import FallbackPolicy, LogLevel, Options
+from ortfx.runtime import openmp
 
 logger = logging.getLogger("ortfx")
 logging.addLevelName(LogLevel.VERBOSE, "VERBOSE")
@@ -165,13 +166,12 @@ def feature_table(options: Options, exporter: str, *, deterministic: bool) -> st
             "ORTFX_INTRA_OP_THREADS, ORTFX_ALLOW_SPINNING=1",
         ),
         (
-            "torch's OpenMP waits",
-            os.environ.get("OMP_WAIT_POLICY", "").upper() or "spinning (OMP_WAIT_POLICY unset)",
+            "torch's OpenMP threads",
+            openmp.describe(options, threads),
             # Measured: with several threads, torch's OpenMP workers spin after each torch op
-            # (the optimizer step) and take the cores ORT's threads need (docs/performance.md).
-            "OMP_WAIT_POLICY=PASSIVE before Python starts: up to 15 % faster steps"
-            if threads > 1 and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
-            else "OMP_WAIT_POLICY",
+            # and take the cores ORT's threads need (docs/performance.md).
+            "Options(release_torch_threads=...), ORTFX_RELEASE_TORCH_THREADS=0/1; "
+            "or OMP_WAIT_POLICY=PASSIVE before Python starts",
         ),
     ]
     width = max(len(r[0]) for r in rows)

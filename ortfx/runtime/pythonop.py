@@ -38,7 +38,7 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
 from ortfx.errors import OrtfxInitError
-from ortfx.runtime import memgrad
+from ortfx.runtime import memgrad, openmp
 
 BRIDGE_MISSING = (
     "the exported graph runs custom torch.autograd.Function(s) {names} as ORT PythonOp nodes, "
@@ -391,6 +391,8 @@ def forward_runner(
     except BaseException as e:
         _LOCAL.error = e
         raise
+    finally:
+        openmp.after_callback()
 
 
 def backward_runner(
@@ -410,6 +412,8 @@ def backward_runner(
     except BaseException as e:
         _LOCAL.error = e
         raise
+    finally:
+        openmp.after_callback()
 
 
 def _load_bridge(names: Sequence[str]) -> Any:

@@ -40,7 +40,7 @@ from ortfx.errors import (
 from ortfx.export import engine_accumulates, pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
-from ortfx.runtime import events, memgrad, pythonop
+from ortfx.runtime import events, memgrad, openmp, pythonop
 
 
 class _WithoutFrontEnd(importlib.abc.MetaPathFinder):
@@ -428,11 +428,22 @@ def _serialized(python_ops: bool) -> contextlib.AbstractContextManager[Any]:
     return pythonop.RUN_LOCK if python_ops else contextlib.nullcontext()
 
 
+def _releasing(releases: bool) -> contextlib.AbstractContextManager[Any]:
+    return openmp.released() if releases else contextlib.nullcontext()
+
+
+def _releases_torch_threads(options: Options, device: torch.device) -> bool:
+    # On CUDA, ORT's CPU threads mostly wait on the device: a release would be pure cost.
+    threads = options.intra_op_threads or torch.get_num_threads()
+    return device.type == "cpu" and openmp.wanted(options, threads)
+
+
 def session_settings(options: Options) -> tuple[tuple[str, Any], ...]:
     """The options that shape an ORT session (not the graph): part of the session key."""
     return (
         ("intra_op_threads", options.intra_op_threads or torch.get_num_threads()),
         ("allow_spinning", options.allow_spinning),
+        ("release_torch_threads", options.release_torch_threads),
         ("cpu_mem_arena", options.cpu_mem_arena),
         ("zero3_layerwise", options.zero3_layerwise),
     )
@@ -502,6 +513,8 @@ class TrainingRunner:
     trigger_slot: int | None = None
     # ... and the fed parameters whose gradient buffer torch may keep (memgrad.accumulating).
     owned_grads: frozenset[int] = frozenset()
+    # Runs release torch's idle OpenMP threads first (ortfx.runtime.openmp).
+    releases_torch_threads: bool = False
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -523,7 +536,8 @@ class TrainingRunner:
         fetches = C.OrtValueVector()
         run_state = C.PartialGraphExecutionState()
         contexts: list[int] = []
-        if not (self.python_ops or fed):  # no Python in the graph: no thread state to set
+        if not (self.python_ops or fed or self.releases_torch_threads):
+            # No Python in the graph and no threads to release: no thread state to set.
             try:
                 self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
             except Exception as e:
@@ -531,6 +545,7 @@ class TrainingRunner:
         else:
             with (
                 _serialized(self.python_ops),
+                _releasing(self.releases_torch_threads),
                 pythonop.training_run() as contexts,
                 memgrad.feeding(fed),
             ):
@@ -565,7 +580,7 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
-        if not (self.python_ops or run_state.fed):
+        if not (self.python_ops or run_state.fed or self.releases_torch_threads):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
             except Exception as e:
@@ -573,6 +588,7 @@ class TrainingRunner:
         else:
             with (
                 _serialized(self.python_ops),
+                _releasing(self.releases_torch_threads),
                 memgrad.accumulating(self.owned_grads),
                 memgrad.feeding(run_state.fed),
             ):
@@ -772,6 +788,7 @@ def open_training(
         user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
         python_ops=bool(functions),
         compute_optimizer_failure=failure,
+        releases_torch_threads=_releases_torch_threads(options, device),
         trigger_slot=next(
             (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
         ),
@@ -813,6 +830,7 @@ class InferenceRunner:
     session_seconds: float
     gradient_build_seconds: float = 0.0
     python_ops: bool = False  # the graph calls Python: its runs hold pythonop.RUN_LOCK
+    releases_torch_threads: bool = False  # see TrainingRunner
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()._iobinding
@@ -824,7 +842,7 @@ class InferenceRunner:
         for name in self.info.output_names:
             binding.bind_output(name, self.ort_device)
         try:
-            with _serialized(self.python_ops):
+            with _serialized(self.python_ops), _releasing(self.releases_torch_threads):
                 self.session._sess.run_with_iobinding(binding, None)
         except Exception as e:
             raise _run_failed("inference", inputs, e) from e
@@ -863,4 +881,5 @@ def open_inference(
         ort_device,
         time.perf_counter() - start,
         python_ops=bool(functions),
+        releases_torch_threads=_releases_torch_threads(options, device),
     )
