@@ -56,6 +56,9 @@ class ExportKey:
     # None: the graph does not depend on grad mode. Else the grad mode it was traced for: the
     # module asked torch.is_grad_enabled() while traced (see :func:`resolve`).
     grad_mode: bool | None = None
+    # Submodules whose train/eval flag differs from the root's ``training`` (a frozen
+    # BatchNorm: ``model.bn.eval()``), by name: the trace follows each module's own flag.
+    other_mode: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -257,6 +260,15 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
         reasons.append(
             Reason("mode", mode[seen.training], mode[given.training], "train/eval mode changed")
         )
+    if seen.other_mode != given.other_mode:
+        reasons.append(
+            Reason(
+                "submodule modes",
+                _other_mode_text(seen),
+                _other_mode_text(given),
+                "a submodule's train/eval mode differs from the module's",
+            )
+        )
     if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
         grad = {True: "enabled", False: "disabled"}
         reasons.append(
@@ -285,6 +297,13 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
             if a != b:
                 reasons.append(_leaf_reason(path, a, b))
     return tuple(reasons)
+
+
+def _other_mode_text(key: ExportKey) -> str:
+    if not key.other_mode:
+        return "all as the module"
+    mode = "eval" if key.training else "train"
+    return ", ".join(f"{name!r} {mode}" for name in key.other_mode)
 
 
 def _flag(value: bool) -> str:
@@ -528,6 +547,7 @@ class CallContext:
     settings: tuple[tuple[str, Any], ...] = ()
     mem_efficient_grad: bool = False
     grad_enabled: bool = False
+    other_mode: tuple[str, ...] = ()
 
 
 def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallContext) -> Call:
@@ -540,6 +560,7 @@ def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallC
             context.module_version,
             context.export_options,
             context.versions,
+            other_mode=context.other_mode,
         ),
         GradState(
             schema.requires_grad,
@@ -569,10 +590,12 @@ def signature(
     deterministic: bool,
     device: Hashable,
     grad_enabled: bool = False,
+    modes: tuple[bool, ...] = (),
 ) -> tuple[Any, ...]:
     """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
     :class:`Call` s in the same context (options, versions, device and parameter names fixed):
-    the shell's steady-state fast path compares it instead of building the call."""
+    the shell's steady-state fast path compares it instead of building the call. ``modes``:
+    every module's train/eval flag (what ``CallContext.other_mode`` is read from)."""
     return (
         treespec,
         tuple(map(_leaf_signature, leaves)),
@@ -582,6 +605,7 @@ def signature(
         deterministic,
         device,
         grad_enabled,
+        modes,
     )
 
 

@@ -42,6 +42,7 @@ def calls(draw: st.DrawFn) -> tuple[Any, ...]:
         draw(st.integers(0, 1)),  # module version
         tuple(draw(st.lists(st.booleans(), min_size=2, max_size=2))),  # params requiring grad
         draw(st.booleans()),  # deterministic
+        tuple(draw(st.lists(st.booleans(), min_size=2, max_size=2))),  # submodules' modes
     )
 
 
@@ -49,7 +50,11 @@ def _flat(tree: Any) -> tuple[list[Any], Any]:
     return io.flatten(io.call_tree((tree,), {}))
 
 
-def _call(tree: Any, training: bool, version: int, params: tuple[bool, ...], det: bool) -> Any:
+SUBMODULES = ("block", "block.bn")
+
+
+def _call(*drawn: Any) -> Any:
+    tree, training, version, params, det, subs = _complete(drawn)
     leaves_, spec = _flat(tree)
     context = CallContext(
         training=training,
@@ -61,13 +66,21 @@ def _call(tree: Any, training: bool, version: int, params: tuple[bool, ...], det
         memory=(0, ""),
         device="cpu",
         deterministic=det,
+        other_mode=tuple(n for n, mode in zip(SUBMODULES, subs, strict=True) if mode != training),
     )
     return make_call(leaves_, spec, context)
 
 
-def _signature(tree: Any, training: bool, version: int, params: tuple[bool, ...], det: bool) -> Any:
+def _signature(*drawn: Any) -> Any:
+    tree, training, version, params, det, subs = _complete(drawn)
     leaves_, spec = _flat(tree)
-    return signature(leaves_, spec, training, version, params, det, "cpu")
+    return signature(leaves_, spec, training, version, params, det, "cpu", modes=(training, *subs))
+
+
+def _complete(drawn: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(tree, training, module version, params requiring grad, deterministic, submodules'
+    modes); the submodules follow the root unless drawn."""
+    return drawn if len(drawn) == 6 else (*drawn, (drawn[1], drawn[1]))
 
 
 @settings(max_examples=400, deadline=None)

@@ -57,9 +57,17 @@ def make_call(
     params_grad: tuple[bool, bool],
     device: str,
     deterministic: bool,
+    other_mode: tuple[str, ...] = (),
 ) -> Call:
     schema = SCHEMAS[schema_i]
-    key = ExportKey(schema, training, ModuleVersion(version), OPTIONS[options_i], VERSIONS)
+    key = ExportKey(
+        schema,
+        training,
+        ModuleVersion(version),
+        OPTIONS[options_i],
+        VERSIONS,
+        other_mode=other_mode,
+    )
     grad = GradState(schema.requires_grad, params_grad, PARAMS)
     return Call(key, grad, SessionKey(device, deterministic))
 
@@ -72,6 +80,7 @@ call_args = st.tuples(
     st.tuples(st.booleans(), st.booleans()),
     st.sampled_from(["cpu", "cuda:0"]),
     st.booleans(),
+    st.sampled_from([(), ("bn",), ("bn", "drop")]),  # submodules in the other mode
 )
 
 
@@ -98,6 +107,25 @@ def test_every_non_reuse_decision_has_reasons(first: Any, second: Any) -> None:
     if not isinstance(decision, Reuse):
         assert decision.reasons
         assert all(str(r) for r in decision.reasons)
+
+
+@given(call_args, st.sampled_from([(), ("bn",), ("bn", "drop")]))
+@settings(max_examples=100, deadline=None)
+def test_a_submodule_changing_mode_reexports_and_says_so(args: Any, other: Any) -> None:
+    """``model.bn.eval()`` changes the trace though the root's flag stays: the same call with
+    other submodules in the other mode is a Reexport naming them, never a Reuse."""
+    state: ExportState[str] = ExportState(maxsize=4)
+    call = make_call(*args)
+    state = apply(state, call, decide(state, call), "p")
+    changed = make_call(*args[:-1], other)
+    decision = decide(state, changed)
+    if other == args[-1]:
+        assert decision == Reuse()
+    else:
+        assert isinstance(decision, Reexport)
+        (reason,) = [r for r in decision.reasons if r.path == "submodule modes"]
+        mode = "eval" if args[1] else "train"
+        assert reason.given == (", ".join(f"{n!r} {mode}" for n in other) or "all as the module")
 
 
 @given(st.lists(st.tuples(call_args, st.booleans(), st.booleans()), min_size=1, max_size=12))

@@ -127,6 +127,52 @@ def test_eval_mode_batchnorm_with_gradients_uses_running_statistics() -> None:
         assert max_diff(p.grad, q.grad) <= 1e-5, name
 
 
+class BNDropNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = ConvBN(0.1)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv.bn(self.conv.conv(x)).relu().mean((2, 3))
+        return self.head(self.drop(h)).square().mean()
+
+
+def test_a_submodule_in_the_other_mode_is_traced_in_its_own_mode() -> None:
+    """Freezing BatchNorm statistics by ``model.conv.eval()`` (or a dropout by
+    ``model.drop.eval()``) leaves the root's flag alone but changes the trace: a new export
+    naming the submodules, outputs, gradients and buffers as eager's (1e-5) on every step,
+    and the all-train graph reused once ``model.train()`` puts them back."""
+    torch.manual_seed(0)
+    eager = BNDropNet()
+    wrapped = _strict(copy.deepcopy(eager))
+    x = torch.randn(4, 3, 8, 8)
+    wrapped(x).backward()  # all in train mode: the first export (dropout differs from eager)
+    eager(x).backward()
+    for model in (eager, wrapped):
+        model.zero_grad(set_to_none=True)
+        model.conv.eval()  # frozen BatchNorm: running statistics, and no update of them
+        model.drop.eval()
+    _assert_state_equal(eager, wrapped.module, tol=1e-5)  # before: the first step's updates
+    for _ in range(3):
+        le, lw = eager(x), wrapped(x)
+        assert max_diff(le, lw) <= 1e-5
+        le.backward()
+        lw.backward()
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+            assert max_diff(p.grad, q.grad) <= 1e-5, name
+        _assert_state_equal(eager, wrapped.module, tol=1e-5)
+    assert ortfx.stats(wrapped).exports == 2
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-export: submodule modes was all as the module, now 'conv' eval, 'conv.conv' eval, "
+        "'conv.bn' eval, 'drop' eval (a submodule's train/eval mode differs from the module's)"
+    )
+    wrapped.train()  # every module back in train mode: the first graph again
+    wrapped(x)
+    assert ortfx.stats(wrapped).exports == 2
+
+
 class ScalesInputInPlace(nn.Module):
     def __init__(self) -> None:
         super().__init__()

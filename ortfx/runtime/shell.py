@@ -435,6 +435,7 @@ def _signature(
         torch.are_deterministic_algorithms_enabled(),
         tracked.device,
         torch.is_grad_enabled(),
+        tracked.modes(),
     )
 
 
@@ -454,6 +455,7 @@ def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallCon
         settings=session_settings(options),
         mem_efficient_grad=options.enable_mem_efficient_grad_management,
         grad_enabled=torch.is_grad_enabled(),
+        other_mode=tracked.other_mode(module.training),
     )
 
 

@@ -8,6 +8,7 @@ module tree is added or replaced, so that its graphs are rebuilt.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -54,6 +55,11 @@ class Tracked:
     # Where the first parameter lives: .to('meta') and friends replace every Parameter object
     # without a registration hook; checking this one slot per call catches that cheaply.
     first_slot: tuple[torch.nn.Module, str] | None = None
+    # Every module of the tree (the root first) and its name: the train/eval flags are read
+    # from them on each call, since ``model.block.eval()`` changes the trace (BatchNorm,
+    # dropout) without touching the root's flag.
+    modules: tuple[torch.nn.Module, ...] = ()
+    module_names: tuple[str, ...] = ()
 
     def replaced(self) -> bool:
         if self.first_slot is None:
@@ -71,6 +77,21 @@ class Tracked:
 
     def requires_grad(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
+
+    def modes(self) -> tuple[bool, ...]:
+        """Every module's ``training`` flag, in :attr:`modules` order."""
+        return tuple(map(_TRAINING, self.modules))
+
+    def other_mode(self, training: bool) -> tuple[str, ...]:
+        """The names of the modules whose ``training`` flag is not ``training`` (the root's)."""
+        return tuple(
+            name
+            for name, module in zip(self.module_names, self.modules, strict=True)
+            if module.training != training
+        )
+
+
+_TRAINING = operator.attrgetter("training")
 
 
 def track(module: torch.nn.Module) -> Tracked:
@@ -91,7 +112,16 @@ def track(module: torch.nn.Module) -> Tracked:
         first_slot = next(
             (m, n) for m in module.modules() for n, p in m._parameters.items() if p is first
         )
-    return Tracked(tuple(params), tuple(params.values()), named, device, first_slot)
+    modules = dict(module.named_modules())
+    return Tracked(
+        tuple(params),
+        tuple(params.values()),
+        named,
+        device,
+        first_slot,
+        tuple(modules.values()),
+        tuple(modules),
+    )
 
 
 def changed_tensor(built: Fingerprint, now: Fingerprint) -> str | None:
