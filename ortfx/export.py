@@ -1103,6 +1103,26 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
     return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))
 
 
+# The frames of nn.Module.__call__ (private names; none found: every write counts as outside).
+_MODULE_CALL_CODES = frozenset(
+    f.__code__
+    for f in (
+        getattr(torch.nn.Module, "_call_impl", None),
+        getattr(torch.nn.Module, "_wrapped_call_impl", None),
+    )
+    if f is not None and hasattr(f, "__code__")
+)
+
+
+def inside_module_call(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` or a caller of it runs a module's ``__call__`` (a forward)."""
+    while frame is not None:
+        if frame.f_code in _MODULE_CALL_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 _CONSTANT_NEEDS_GRAD = "Cannot insert a Tensor that requires grad as a constant"
 TRACING_STATE_MISSING = (
     "this torch ({version}) no longer offers torch._C._get_tracing_state/_set_tracing_state, "

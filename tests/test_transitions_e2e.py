@@ -255,12 +255,59 @@ def test_inner_parameter_replacement_is_detected() -> None:
     assert "'lin' of Switchy set to a Linear" in str(ortfx.explain(wrapped)[-1])
 
 
-def test_invalidate_after_inner_plain_attribute_change() -> None:
+class CountsCalls(nn.Module):
+    """A flag read by the forward, and a counter the forward itself sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gate = False
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + 1  # the forward's own write: no reason to export again
+        y = self.lin(x)
+        return y.sigmoid() * y if self.gate else y
+
+
+def test_inner_plain_attribute_change_reexports() -> None:
+    """A public plain attribute set on any module of the tree, outside the wrapper, is seen:
+    the next call exports again and says why. Setting the same value again, a private name,
+    ``train()``/``eval()`` and the forward's own writes do not export again."""
+    model = nn.Sequential(CountsCalls())
+    wrapped = ortfx.ORTModule(model)
+    for _ in range(3):
+        wrapped(X)
+    assert ortfx.stats(wrapped).exports == 1
+    model[0].gate = True  # the trace read False: PyTorch now gates
+    # model(X) runs the forward in eager, whose own write of .seen must not count
+    assert max_diff(wrapped(X), model(X)) <= 1e-6
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-export: module was version 0, now version 1 "
+        "(attribute 'gate' of CountsCalls set outside the wrapper)"
+    )
+    model[0].gate = True  # the same value
+    model[0]._note = "bookkeeping"
+    model.eval()
+    model.train()
+    wrapped(X)
+    assert ortfx.stats(wrapped).exports == 2
+    wrapped.eval()  # eval and train are entries of their own, kept
+    wrapped(X)
+    wrapped.train()
+    wrapped(X)
+    assert ortfx.stats(wrapped).exports == 3
+    model[0].n_head = 2  # even a new attribute: the forward may read it with getattr
+    wrapped(X)
+    assert ortfx.stats(wrapped).exports == 4
+
+
+def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)
     x = torch.randn(1, 4, 32)
     wrapped(x)
-    model[0].n_head = 2  # a plain attribute of an inner module: invisible without a per-call scan
+    model[0]._n_head_hidden = 2  # private names are not watched: invalidate() covers them
     ortfx.invalidate(wrapped)
     assert max_diff(wrapped(x), model(x)) <= 1e-6
     assert ortfx.stats(wrapped).exports == 2

@@ -8,7 +8,6 @@ the ``nn.Module`` API to the wrapped module, pickling, and the user's own method
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -372,9 +371,7 @@ def _uses_super(function: Callable[..., Any]) -> bool:
 
 
 # True while a wrapper runs its module (export, fallback): the module's calls are its own.
-_IN_WRAPPER: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "ortfx_in_wrapper", default=False
-)
+_IN_WRAPPER = watch.IN_WRAPPER
 
 
 def _on_module(name: str) -> Callable[..., Any]:

@@ -8,7 +8,10 @@ module tree is added or replaced, so that its graphs are rebuilt.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import operator
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -196,6 +199,57 @@ def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
         wrapper._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
 
 
+# True while a wrapper runs its module (export, fallback, the graph): attribute writes from
+# there are the module's own doing, traced or run as in eager.
+IN_WRAPPER: contextvars.ContextVar[bool] = contextvars.ContextVar("ortfx_in_wrapper", default=False)
+
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _on_plain_attribute(module: torch.nn.Module, name: str, old: Any, value: Any) -> None:
+    """A public plain attribute of ``module`` was set outside any wrapper's call: the graphs of
+    every wrapper whose tree holds ``module`` may have the old value traced in."""
+    if old is value or (type(old) is type(value) and type(value) in _PLAIN and old == value):
+        return  # the same value again (model.flag = True twice): nothing the trace saw changed
+    from ortfx.export import inside_module_call
+
+    if inside_module_call(sys._getframe(2)):
+        return  # a forward run in eager writing its own state (self.last_attention = ...)
+    counts = _muted()
+    for wrapper in list(_LIVE):
+        if id(wrapper.module) in counts or not wrapper._ortfx_watches(id(module)):
+            continue
+        wrapper._ortfx_invalidate(
+            f"attribute {name!r} of {type(module).__name__} set outside the wrapper"
+        )
+
+
+def _watch_plain_attributes() -> None:
+    """Route ``nn.Module.__setattr__`` through a check for public plain attributes.
+
+    ``model.block.use_gate = True`` changes what the forward traces, and torch offers no hook
+    for plain attributes (only for parameters, buffers and submodules). ``training`` is left
+    to the export key (every ``.train()`` sets it on each module), names starting with ``_``
+    to frameworks' bookkeeping; writes inside a wrapper's call, or inside any module's forward
+    run in eager, are the forward's own. Other code sees torch's own behaviour: the original
+    runs first, whatever it does.
+    """
+    original = torch.nn.Module.__setattr__
+
+    @functools.wraps(original)
+    def __setattr__(self: torch.nn.Module, name: str, value: Any) -> None:
+        if not _LIVE or name == "training" or name.startswith("_") or IN_WRAPPER.get():
+            original(self, name, value)
+            return
+        old = self.__dict__.get(name, _MISSING)
+        original(self, name, value)
+        if name in self.__dict__:  # stored as a plain attribute (not a parameter or module)
+            _on_plain_attribute(self, name, old, value)
+
+    torch.nn.Module.__setattr__ = __setattr__  # type: ignore[method-assign]
+
+
 def watch(wrapper: Watcher) -> None:
     """Start telling ``wrapper`` about registrations in its module tree (weakly held)."""
     # One set of global hooks for the process, registered once and never removed: removing
@@ -211,4 +265,5 @@ def watch(wrapper: Watcher) -> None:
                     torch_module.register_module_module_registration_hook(_on_registration),
                 )
             )
+            _watch_plain_attributes()
     _LIVE.add(wrapper)
