@@ -175,6 +175,30 @@ def test_generate_gives_the_plain_models_tokens(name: str) -> None:
     assert stats.exports == EXPORTS_TO_GENERATE
 
 
+def test_a_config_change_exports_again_and_saving_does_not(tmp_path: Path) -> None:
+    """``model.config.output_hidden_states = True`` after the first call changes what the
+    forward returns (the config is no module: ortfx compares it with a copy on each call);
+    ``save_pretrained`` only records metadata (``architectures``, ``dtype``): no export."""
+    torch.manual_seed(0)
+    model = _gpt2()
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    ids = _ids()
+    assert wrapped(input_ids=ids, labels=ids).hidden_states is None
+    model.save_pretrained(tmp_path)
+    wrapped(input_ids=ids, labels=ids)
+    assert ortfx.stats(wrapped).exports == 1
+    model.config.output_hidden_states = True
+    got, expected = wrapped(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    assert len(got.hidden_states) == len(expected.hidden_states) == 3
+    for a, b in zip(got.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ortfx.stats(wrapped).exports == 2
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-export: module was version 0, now version 1 "
+        "(config changed outside the wrapper ('output_hidden_states'))"
+    )
+
+
 def test_the_trainer_trains_in_ort_saves_and_resumes(tmp_path: Path) -> None:
     """transformers.Trainer with the wrapper as its ``model_wrapped``: the steps run in ORT,
     the loss and weights match a plain Trainer run, and a run resumed from the step-2

@@ -339,6 +339,7 @@ def run(
         and state.entries[-1].key is fast.call.key
         and not tracked.replaced()
         and not tracked.moved()
+        and not tracked.configs_differ()
         and fast.signature == _signature(leaves, spec, module, state, tracked)
     ):
         # Steady state: the same kind of call as the last one, whose entry is still the most
@@ -366,6 +367,14 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
     if tracked is not None and tracked.replaced():
         shell = invalidate(shell, "the parameters were replaced outside the wrapper")
         tracked = None
+    if tracked is not None and tracked.configs_differ():
+        cause = tracked.config_change()
+        if cause is not None:
+            shell = invalidate(shell, cause)
+            tracked = None
+        else:  # metadata only: the graphs stand; compare against the new values from now on
+            tracked = tracked.with_fresh_configs()
+            shell = attrs.evolve(shell, tracked=tracked, fast=None)
     if tracked is None or tracked.moved():
         tracked = watch.track(module)
         shell = attrs.evolve(shell, tracked=tracked, watched=watch.module_ids(module))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import functools
 import operator
 import sys
@@ -63,6 +64,10 @@ class Tracked:
     # dropout) without touching the root's flag.
     modules: tuple[torch.nn.Module, ...] = ()
     module_names: tuple[str, ...] = ()
+    # transformers configs the modules hold (``model.config``), each with a deep copy of its
+    # attributes when this view was taken: ``model.config.use_cache = False`` changes the
+    # trace, and the config is no module, so no hook sees the write.
+    configs: tuple[tuple[str, Any, dict[str, Any]], ...] = ()
 
     def replaced(self) -> bool:
         if self.first_slot is None:
@@ -80,6 +85,31 @@ class Tracked:
 
     def requires_grad(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
+
+    def configs_differ(self) -> bool:
+        """Whether a config differs from its copy at all: one dict comparison per config and
+        call (about 3 µs for GPT-2's)."""
+        return any(vars(config) != copied for _, config, copied in self.configs)
+
+    def config_change(self) -> str | None:
+        """Why the configs differ from their copies, for the log; None when only metadata
+        changed (``save_pretrained`` records ``architectures`` and ``dtype``)."""
+        for where, config, copied in self.configs:
+            now = vars(config)
+            changed = sorted(
+                k
+                for k in now.keys() | copied.keys()
+                if k not in CONFIG_METADATA and now.get(k, _MISSING) != copied.get(k, _MISSING)
+            )
+            if changed:
+                names = ", ".join(repr(k.removeprefix("_")) for k in changed[:3])
+                return f"{where} changed outside the wrapper ({names})"
+        return None
+
+    def with_fresh_configs(self) -> Tracked:
+        """This view with new copies of the configs (after a metadata-only change)."""
+        configs = tuple((w, c, copy.deepcopy(vars(c))) for w, c, _ in self.configs)
+        return attrs.evolve(self, configs=configs)
 
     def modes(self) -> tuple[bool, ...]:
         """Every module's ``training`` flag, in :attr:`modules` order."""
@@ -124,7 +154,37 @@ def track(module: torch.nn.Module) -> Tracked:
         first_slot,
         tuple(modules.values()),
         tuple(modules),
+        _configs(modules),
     )
+
+
+# Config entries that describe the checkpoint, not the computation; the parameters' dtypes
+# are tracked on their own (Tracked.fingerprint).
+CONFIG_METADATA = frozenset(
+    {
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+    }
+)
+
+
+def _configs(modules: Mapping[str, torch.nn.Module]) -> tuple[tuple[str, Any, dict[str, Any]], ...]:
+    """Each transformers config held as a public attribute of a module (once per object)."""
+    configuration = sys.modules.get("transformers.configuration_utils")
+    base = getattr(configuration, "PretrainedConfig", None)
+    if base is None:
+        return ()
+    found: dict[int, tuple[str, Any, dict[str, Any]]] = {}
+    for name, module in modules.items():
+        for attribute, value in vars(module).items():
+            if isinstance(value, base) and id(value) not in found:
+                where = f"{name}.{attribute}" if name else attribute
+                found[id(value)] = (where, value, copy.deepcopy(vars(value)))
+    return tuple(found.values())
 
 
 def changed_tensor(built: Fingerprint, now: Fingerprint) -> str | None:
