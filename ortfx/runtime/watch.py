@@ -183,7 +183,13 @@ def _configs(modules: Mapping[str, torch.nn.Module]) -> tuple[tuple[str, Any, di
         for attribute, value in vars(module).items():
             if isinstance(value, base) and id(value) not in found:
                 where = f"{name}.{attribute}" if name else attribute
-                found[id(value)] = (where, value, copy.deepcopy(vars(value)))
+                copied = copy.deepcopy(vars(value))
+                try:
+                    comparable = bool(vars(value) == copied)
+                except Exception:  # e.g. an array in the config: no plain == to watch with
+                    comparable = False
+                if comparable:
+                    found[id(value)] = (where, value, copied)
     return tuple(found.values())
 
 
