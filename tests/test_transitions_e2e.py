@@ -302,6 +302,22 @@ def test_inner_plain_attribute_change_reexports() -> None:
     assert ortfx.stats(wrapped).exports == 4
 
 
+def test_torch_compile_traces_attribute_writes_without_graph_breaks() -> None:
+    """The attribute check routes nn.Module.__setattr__ for the whole process: a forward
+    compiled by torch.compile that writes attributes must trace as without ortfx."""
+    from torch._dynamo.utils import counters  # test-only: dynamo's graph-break counter
+
+    keep = ortfx.ORTModule(nn.Linear(4, 4))
+    keep(X)  # a live wrapper: the check is installed
+    model = CountsCalls()
+    compiled = torch.compile(model)
+    counters.clear()
+    for _ in range(2):
+        assert max_diff(compiled(X), model.lin(X)) <= 1e-6
+    assert dict(counters["graph_break"]) == {}
+    assert model.seen == 2
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

@@ -305,6 +305,11 @@ def _watch_plain_attributes() -> None:
 
     @functools.wraps(original)
     def __setattr__(self: torch.nn.Module, name: str, value: Any) -> None:
+        # Under torch.compile the write is traced code inside a forward: torch's own setattr,
+        # with nothing dynamo cannot trace (a context variable, stack frames) on the way.
+        if torch.compiler.is_compiling():
+            original(self, name, value)
+            return
         if not _LIVE or name == "training" or name.startswith("_") or IN_WRAPPER.get():
             original(self, name, value)
             return
