@@ -193,6 +193,13 @@ FALLING_BACK = (
     "ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE."
 )
 
+TRACED_FORWARD_HOOKS = (
+    "forward hooks on %s ran once, while exporting: what they compute with tensors is part of "
+    "the graph, but their Python side effects (storing activations, printing, counting) will "
+    "not happen on the calls ONNX Runtime runs. Register such hooks on the ORTModule itself "
+    "(they run around the graph on every call), or run this module in PyTorch."
+)
+
 BAKED_DYNAMIC_SCALARS = (
     "%s %s in dynamic_scalars, but the exported graph does not read %s as a tensor: the module "
     "turns the value into a Python value (e.g. range(n), if n > 0), which the tracer bakes in. "

@@ -318,6 +318,48 @@ def test_torch_compile_traces_attribute_writes_without_graph_breaks() -> None:
     assert model.seen == 2
 
 
+def test_hooks_registered_or_removed_after_the_first_call_export_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forward hook or pre-hook on an inner module, or a global one, registered after the
+    first call ran nowhere: ORT ran the graph traced without it. Now each change of the
+    tree's hooks exports again (the hook is traced in, as one present at the first call),
+    with outputs as eager's; hooks on modules outside the tree change nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(3, 4)
+    wrapped(x)
+    elsewhere = nn.Linear(4, 4).register_forward_hook(lambda m, i, o: o * 5)
+    wrapped(x)
+    elsewhere.remove()
+    wrapped(x)
+    assert ortfx.stats(wrapped).exports == 1
+    doubled = model[0].register_forward_hook(lambda m, i, o: o * 2)
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        assert max_diff(wrapped(x), model(x)) <= 1e-6
+    # Loud about what a trace cannot keep: the hook's Python side effects.
+    assert "forward hooks on '0' (Linear) ran once, while exporting" in caplog.text
+    assert str(ortfx.explain(wrapped)[-1]) == (
+        "re-export: module was version 0, now version 1 "
+        "(hooks of '0' (Linear) changed outside the wrapper)"
+    )
+    doubled.remove()
+    assert max_diff(wrapped(x), model(x)) <= 1e-6
+    shifted = model[2].register_forward_pre_hook(lambda m, i: (i[0] + 1,))
+    assert max_diff(wrapped(x), model(x)) <= 1e-6
+    shifted.remove()
+    relu_plus_one = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o + 1 if isinstance(m, nn.ReLU) else None
+    )
+    try:
+        assert max_diff(wrapped(x), model(x)) <= 1e-6
+    finally:
+        relu_plus_one.remove()
+    assert max_diff(wrapped(x), model(x)) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 6
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

@@ -339,6 +339,7 @@ def run(
         and state.entries[-1].key is fast.call.key
         and not tracked.replaced()
         and not tracked.moved()
+        and tracked.clock == watch.hook_clock()
         and not tracked.configs_differ()
         and fast.signature == _signature(leaves, spec, module, state, tracked)
     ):
@@ -367,6 +368,14 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
     if tracked is not None and tracked.replaced():
         shell = invalidate(shell, "the parameters were replaced outside the wrapper")
         tracked = None
+    if tracked is not None and tracked.clock != watch.hook_clock():
+        cause = tracked.hooks_change()
+        if cause is not None:
+            shell = invalidate(shell, cause)
+            tracked = None
+        else:  # a hook elsewhere in the process: this tree's graphs stand
+            tracked = attrs.evolve(tracked, clock=watch.hook_clock())
+            shell = attrs.evolve(shell, tracked=tracked, fast=None)
     if tracked is not None and tracked.configs_differ():
         cause = tracked.config_change()
         if cause is not None:
@@ -620,6 +629,9 @@ def _export(
             exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
+    hooked = watch.user_forward_hooks(module)
+    if hooked:
+        logs.traced_hooks(log, hooked)
     # Imported here: ortfx.aten builds on the TorchScript exporter, which may be missing.
     from ortfx import aten
 

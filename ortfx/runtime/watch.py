@@ -68,6 +68,10 @@ class Tracked:
     # attributes when this view was taken: ``model.config.use_cache = False`` changes the
     # trace, and the config is no module, so no hook sees the write.
     configs: tuple[tuple[str, Any, dict[str, Any]], ...] = ()
+    # The module hooks in the tree (and torch's global ones) when this view was taken, and the
+    # hook clock then: a hook registered or removed later changes what the forward does.
+    hooks: tuple[Any, ...] = ()
+    clock: tuple[int, int] = (-1, -1)
 
     def replaced(self) -> bool:
         if self.first_slot is None:
@@ -85,6 +89,18 @@ class Tracked:
 
     def requires_grad(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
+
+    def hooks_change(self) -> str | None:
+        """After the hook clock moved: why the tree's hooks differ from this view's (a cause
+        for the log), or None if they do not (a hook elsewhere in the process)."""
+        now = module_hooks(self.module_names, self.modules)
+        if now == self.hooks:
+            return None
+        before, after = dict(self.hooks), dict(now)
+        for where in [*after, *before]:
+            if before.get(where) != after.get(where):
+                return f"hooks of {where} changed outside the wrapper"
+        return "hooks changed outside the wrapper"  # pragma: no cover - dicts differ above
 
     def configs_differ(self) -> bool:
         """Whether a config differs from its copy at all: one dict comparison per config and
@@ -155,7 +171,71 @@ def track(module: torch.nn.Module) -> Tracked:
         tuple(modules.values()),
         tuple(modules),
         _configs(modules),
+        module_hooks(tuple(modules), tuple(modules.values())),
+        hook_clock(),
     )
+
+
+# The hook tables of a module (torch's attribute names) and of the process.
+_MODULE_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+_REMOVED = [0]  # hooks removed in this process (RemovableHandle.remove, counted once watched)
+
+
+def hook_clock() -> tuple[int, int]:
+    """Moves whenever a hook is registered (torch numbers every handle it gives out) or
+    removed (counted by ortfx) anywhere in the process: one read per call."""
+    return torch.utils.hooks.RemovableHandle.next_id, _REMOVED[0]
+
+
+# Libraries whose module hooks are theirs to keep working (ZeRO-3 gathering, ortfx's own
+# statistics) and are not the user's code to warn about.
+_LIBRARY_HOOKS = ("ortfx", "torch", "deepspeed", "transformers", "accelerate", "peft")
+
+
+def user_forward_hooks(module: torch.nn.Module) -> tuple[str, ...]:
+    """The modules of the tree with forward hooks or pre-hooks of the user's own code, as
+    ``'name' (Type)``: the trace runs them once, ORT never again."""
+    found = []
+    for name, sub in module.named_modules():
+        for table in _MODULE_HOOKS[:2]:
+            for hook in getattr(sub, table, {}).values():
+                function = getattr(hook, "func", hook)  # functools.partial
+                owner = getattr(function, "__module__", None) or ""
+                if owner.split(".")[0] not in _LIBRARY_HOOKS:
+                    found.append(repr(name or "the module") + f" ({type(sub).__name__})")
+    return tuple(dict.fromkeys(found))
+
+
+def module_hooks(
+    names: tuple[str, ...], modules: tuple[torch.nn.Module, ...]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Which hook functions the tree's modules and torch's global tables hold, by identity."""
+    from torch.nn.modules import module as torch_module
+
+    found = []
+    for name, module in zip(names, modules, strict=True):
+        ids = tuple(
+            id(hook) for table in _MODULE_HOOKS for hook in getattr(module, table, {}).values()
+        )
+        if ids:
+            found.append((repr(name or "the module") + f" ({type(module).__name__})", ids))
+    ids = tuple(
+        id(hook) for table in _GLOBAL_HOOKS for hook in getattr(torch_module, table, {}).values()
+    )
+    if ids:
+        found.append(("every module (global hooks)", ids))
+    return tuple(found)
 
 
 # Config entries that describe the checkpoint, not the computation; the parameters' dtypes
@@ -319,6 +399,17 @@ def _watch_plain_attributes() -> None:
             _on_plain_attribute(self, name, old, value)
 
     torch.nn.Module.__setattr__ = __setattr__  # type: ignore[method-assign]
+
+    # Removing a hook leaves torch's handle numbering alone: count removals for hook_clock.
+    remove = torch.utils.hooks.RemovableHandle.remove
+
+    @functools.wraps(remove)
+    def counted_remove(self: torch.utils.hooks.RemovableHandle) -> None:
+        remove(self)
+        if not torch.compiler.is_compiling():
+            _REMOVED[0] += 1
+
+    torch.utils.hooks.RemovableHandle.remove = counted_remove  # type: ignore[method-assign]
 
 
 def watch(wrapper: Watcher) -> None:
