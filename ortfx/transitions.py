@@ -59,6 +59,9 @@ class ExportKey:
     # Submodules whose train/eval flag differs from the root's ``training`` (a frozen
     # BatchNorm: ``model.bn.eval()``), by name: the trace follows each module's own flag.
     other_mode: tuple[str, ...] = ()
+    # The dtype torch.autocast runs the call's device in ("bfloat16"), or None when off: the
+    # trace records its casts, so a graph traced without them computes in another dtype.
+    autocast: str | None = None
 
 
 @attrs.frozen
@@ -267,6 +270,15 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
                 _other_mode_text(seen),
                 _other_mode_text(given),
                 "a submodule's train/eval mode differs from the module's",
+            )
+        )
+    if seen.autocast != given.autocast:
+        reasons.append(
+            Reason(
+                "autocast",
+                seen.autocast or "off",
+                given.autocast or "off",
+                "torch.autocast changes the dtypes the forward computes in",
             )
         )
     if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
@@ -548,6 +560,7 @@ class CallContext:
     mem_efficient_grad: bool = False
     grad_enabled: bool = False
     other_mode: tuple[str, ...] = ()
+    autocast: str | None = None
 
 
 def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallContext) -> Call:
@@ -561,6 +574,7 @@ def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallC
             context.export_options,
             context.versions,
             other_mode=context.other_mode,
+            autocast=context.autocast,
         ),
         GradState(
             schema.requires_grad,
@@ -591,6 +605,7 @@ def signature(
     device: Hashable,
     grad_enabled: bool = False,
     modes: tuple[bool, ...] = (),
+    autocast: str | None = None,
 ) -> tuple[Any, ...]:
     """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
     :class:`Call` s in the same context (options, versions, device and parameter names fixed):
@@ -606,6 +621,7 @@ def signature(
         device,
         grad_enabled,
         modes,
+        autocast,
     )
 
 

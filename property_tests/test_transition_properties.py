@@ -58,6 +58,7 @@ def make_call(
     device: str,
     deterministic: bool,
     other_mode: tuple[str, ...] = (),
+    autocast: str | None = None,
 ) -> Call:
     schema = SCHEMAS[schema_i]
     key = ExportKey(
@@ -67,6 +68,7 @@ def make_call(
         OPTIONS[options_i],
         VERSIONS,
         other_mode=other_mode,
+        autocast=autocast,
     )
     grad = GradState(schema.requires_grad, params_grad, PARAMS)
     return Call(key, grad, SessionKey(device, deterministic))
@@ -81,6 +83,7 @@ call_args = st.tuples(
     st.sampled_from(["cpu", "cuda:0"]),
     st.booleans(),
     st.sampled_from([(), ("bn",), ("bn", "drop")]),  # submodules in the other mode
+    st.sampled_from([None, "bfloat16", "float16"]),  # torch.autocast
 )
 
 
@@ -117,9 +120,9 @@ def test_a_submodule_changing_mode_reexports_and_says_so(args: Any, other: Any) 
     state: ExportState[str] = ExportState(maxsize=4)
     call = make_call(*args)
     state = apply(state, call, decide(state, call), "p")
-    changed = make_call(*args[:-1], other)
+    changed = make_call(*args[:-2], other, args[-1])
     decision = decide(state, changed)
-    if other == args[-1]:
+    if other == args[-2]:
         assert decision == Reuse()
     else:
         assert isinstance(decision, Reexport)
@@ -225,3 +228,20 @@ def test_explanations_name_the_changed_path(i: int, j: int) -> None:
         known = set(SCHEMAS[i].paths) | set(SCHEMAS[j].paths) | {"inputs"}
         # A leaf's path, or the path of a container on the way to one.
         assert any(k.startswith(r.path) for r in decision.reasons for k in known)
+
+
+@given(call_args, st.sampled_from([None, "bfloat16", "float16"]))
+@settings(max_examples=100, deadline=None)
+def test_autocast_changes_reexport_and_say_so(args: Any, autocast: Any) -> None:
+    """A call under another torch.autocast dtype (or in or out of autocast) never reuses a
+    graph traced for the old one: the trace records autocast's casts."""
+    state: ExportState[str] = ExportState(maxsize=4)
+    call = make_call(*args)
+    state = apply(state, call, decide(state, call), "p")
+    decision = decide(state, make_call(*args[:-1], autocast))
+    if autocast == args[-1]:
+        assert decision == Reuse()
+    else:
+        assert isinstance(decision, Reexport)
+        (reason,) = [r for r in decision.reasons if r.path == "autocast"]
+        assert (reason.seen, reason.given) == (args[-1] or "off", autocast or "off")

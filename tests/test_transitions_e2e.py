@@ -360,6 +360,30 @@ def test_hooks_registered_or_removed_after_the_first_call_export_again(
     assert ortfx.stats(wrapped).exports == 6
 
 
+def test_autocast_is_part_of_the_key_and_of_the_fallback_key() -> None:
+    """A graph traced without torch.autocast computes in float32; under autocast eager
+    computes in bfloat16. The call under autocast exports again (ORT has no bfloat16 CPU
+    training kernels: it falls back, loudly, with eager's dtype and values), and the calls
+    after the autocast region run in ORT again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(4, 8)
+    wrapped(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = wrapped(x), model(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+    assert str(ortfx.explain(wrapped)[-1]).startswith(
+        "fallback: call was run in ONNX Runtime, now run in PyTorch (OrtfxUnsupportedOpError: "
+        "ONNX Runtime 1.19 cannot train operator Gemm"
+    )
+    assert ortfx.stats(wrapped).fallback_calls == 1
+    got = wrapped(x)
+    assert got.dtype == torch.float32 and max_diff(got, model(x)) <= 1e-6
+    assert ortfx.stats(wrapped).fallback_calls == 1  # back in ORT
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

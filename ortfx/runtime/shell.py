@@ -235,7 +235,9 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
 
 
 def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """What makes a call "the same" for fallback: structure, static values and tensor kinds."""
+    """What makes a call "the same" for fallback: structure, static values, tensor kinds and
+    the autocast state (a call under torch.autocast that fell back says nothing about one
+    outside it)."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
     # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
     kinds = tuple(
@@ -246,7 +248,8 @@ def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         else type(x)
         for x in leaves
     )
-    return (spec, kinds)
+    autocast = tuple(_autocast(torch.device(kind)) for kind in ("cpu", "cuda"))
+    return (spec, kinds, autocast)
 
 
 def fall_back(
@@ -454,7 +457,16 @@ def _signature(
         tracked.device,
         torch.is_grad_enabled(),
         tracked.modes(),
+        _autocast(tracked.device),
     )
+
+
+def _autocast(device: torch.device) -> str | None:
+    """The dtype torch.autocast runs ``device``'s ops in, or None when it is off there."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
 
 
 def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallContext:
@@ -474,6 +486,7 @@ def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallCon
         mem_efficient_grad=options.enable_mem_efficient_grad_management,
         grad_enabled=torch.is_grad_enabled(),
         other_mode=tracked.other_mode(module.training),
+        autocast=_autocast(tracked.device),
     )
 
 
