@@ -187,6 +187,16 @@ def test_what_changes_the_graph_misses(tmp_path: Path, name: str, variant: objec
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_a_call_under_autocast_is_not_served_the_float32_graph(tmp_path: Path) -> None:
+    """The autocast dtype is in the digest: a graph traced without autocast's casts is never
+    loaded for a call under torch.autocast (which then falls back on CPU, as without a cache)."""
+    assert _run(Net(), tmp_path)[:2] == (["miss"], 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen, exports, y = _run(Net(), tmp_path)
+    assert "hit" not in seen and exports == 1
+    assert y.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     "damage",
     [

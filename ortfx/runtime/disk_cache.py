@@ -2,7 +2,8 @@
 
 ``Options(cache_dir=...)`` / ``ORTMODULE_CACHE_DIR``. An entry is what :func:`ortfx.export.export`
 and the ``for_export`` passes produce for one export key; a warm start loads it instead of
-running the torch exporter. The digest covers the call schema, train/eval, the export options,
+running the torch exporter. The digest covers the call schema, train/eval, the torch.autocast
+dtype, the export options,
 the module tree (class, class source file, training flag and plain attribute values of every
 submodule; name, shape, dtype and requires_grad of every parameter and buffer), the inputs of
 the ``for_export`` passes, and the versions of torch, onnx, ORT, Python and ortfx (its sources
@@ -188,6 +189,7 @@ def key_text(
         f"onnxruntime {_ort_version()}, python {sys.version.split()[0]}, "
         f"ortfx {_ortfx_version()} sources {_ortfx_sources()}",
         f"mode: {'training' if key.training else 'eval'}",
+        f"autocast: {key.autocast or 'off'}",
         f"options: {key.options!r}",
         f"default dtype: {torch.get_default_dtype()}",
         f"schema: {treespec} {key.schema.leaves!r}",
