@@ -464,7 +464,10 @@ def _signature(
 def _autocast(device: torch.device) -> str | None:
     """The dtype torch.autocast runs ``device``'s ops in, or None when it is off there."""
     kind = device.type
-    if not torch.is_autocast_enabled(kind):
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return None
+    except RuntimeError:  # a device type autocast does not know ('meta'): no autocast there
         return None
     return str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
 
