@@ -63,6 +63,22 @@ def test_bad_calls_do_not_change_how_later_good_calls_run(policy: object) -> Non
     assert "exporter='torchscript'" in repr(wrapped)
 
 
+def test_a_module_on_meta_falls_back_with_the_device_error() -> None:
+    """Every per-call read of the module's device (autocast state, parameters) copes with
+    'meta': the default policy runs it in PyTorch after naming the device, DISABLE raises."""
+    logging.getLogger("ortfx").disabled = True  # the fallback's WARNING is expected
+    try:
+        wrapped = ortfx.ORTModule(nn.Linear(4, 4).to("meta"))
+        assert wrapped(torch.randn(2, 4, device="meta")).shape == (2, 4)
+        assert ortfx.stats(wrapped).fallback_calls == 1
+    finally:
+        logging.getLogger("ortfx").disabled = False
+    strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    wrapped = ortfx.ORTModule(nn.Linear(4, 4).to("meta"), options=strict)
+    with pytest.raises(ortfx.OrtfxDeviceError, match="the module is on meta"):
+        wrapped(torch.randn(2, 4, device="meta"))
+
+
 THREADS = """
 import threading, torch, ortfx
 from torch import nn
