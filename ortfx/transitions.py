@@ -62,6 +62,8 @@ class ExportKey:
     # The dtype torch.autocast runs the call's device in ("bfloat16"), or None when off: the
     # trace records its casts, so a graph traced without them computes in another dtype.
     autocast: str | None = None
+    # torch.get_default_dtype(): the dtype of the tensors the forward creates without one.
+    default_dtype: str = "float32"
 
 
 @attrs.frozen
@@ -279,6 +281,15 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
                 seen.autocast or "off",
                 given.autocast or "off",
                 "torch.autocast changes the dtypes the forward computes in",
+            )
+        )
+    if seen.default_dtype != given.default_dtype:
+        reasons.append(
+            Reason(
+                "default dtype",
+                seen.default_dtype,
+                given.default_dtype,
+                "torch.set_default_dtype changes the tensors the forward creates",
             )
         )
     if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
@@ -561,6 +572,7 @@ class CallContext:
     grad_enabled: bool = False
     other_mode: tuple[str, ...] = ()
     autocast: str | None = None
+    default_dtype: str = "float32"
 
 
 def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallContext) -> Call:
@@ -575,6 +587,7 @@ def make_call(leaves: Sequence[Any], treespec: optree.PyTreeSpec, context: CallC
             context.versions,
             other_mode=context.other_mode,
             autocast=context.autocast,
+            default_dtype=context.default_dtype,
         ),
         GradState(
             schema.requires_grad,
@@ -606,6 +619,7 @@ def signature(
     grad_enabled: bool = False,
     modes: tuple[bool, ...] = (),
     autocast: str | None = None,
+    default_dtype: str = "float32",
 ) -> tuple[Any, ...]:
     """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
     :class:`Call` s in the same context (options, versions, device and parameter names fixed):
@@ -622,6 +636,7 @@ def signature(
         grad_enabled,
         modes,
         autocast,
+        default_dtype,
     )
 
 

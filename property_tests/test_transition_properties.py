@@ -59,6 +59,7 @@ def make_call(
     deterministic: bool,
     other_mode: tuple[str, ...] = (),
     autocast: str | None = None,
+    default_dtype: str = "float32",
 ) -> Call:
     schema = SCHEMAS[schema_i]
     key = ExportKey(
@@ -69,6 +70,7 @@ def make_call(
         VERSIONS,
         other_mode=other_mode,
         autocast=autocast,
+        default_dtype=default_dtype,
     )
     grad = GradState(schema.requires_grad, params_grad, PARAMS)
     return Call(key, grad, SessionKey(device, deterministic))
@@ -84,6 +86,7 @@ call_args = st.tuples(
     st.booleans(),
     st.sampled_from([(), ("bn",), ("bn", "drop")]),  # submodules in the other mode
     st.sampled_from([None, "bfloat16", "float16"]),  # torch.autocast
+    st.sampled_from(["float32", "float64"]),  # torch.get_default_dtype()
 )
 
 
@@ -120,9 +123,9 @@ def test_a_submodule_changing_mode_reexports_and_says_so(args: Any, other: Any) 
     state: ExportState[str] = ExportState(maxsize=4)
     call = make_call(*args)
     state = apply(state, call, decide(state, call), "p")
-    changed = make_call(*args[:-2], other, args[-1])
+    changed = make_call(*args[:-3], other, *args[-2:])
     decision = decide(state, changed)
-    if other == args[-2]:
+    if other == args[-3]:
         assert decision == Reuse()
     else:
         assert isinstance(decision, Reexport)
@@ -238,10 +241,10 @@ def test_autocast_changes_reexport_and_say_so(args: Any, autocast: Any) -> None:
     state: ExportState[str] = ExportState(maxsize=4)
     call = make_call(*args)
     state = apply(state, call, decide(state, call), "p")
-    decision = decide(state, make_call(*args[:-1], autocast))
-    if autocast == args[-1]:
+    decision = decide(state, make_call(*args[:-2], autocast, args[-1]))
+    if autocast == args[-2]:
         assert decision == Reuse()
     else:
         assert isinstance(decision, Reexport)
         (reason,) = [r for r in decision.reasons if r.path == "autocast"]
-        assert (reason.seen, reason.given) == (args[-1] or "off", autocast or "off")
+        assert (reason.seen, reason.given) == (args[-2] or "off", autocast or "off")

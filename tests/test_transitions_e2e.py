@@ -384,6 +384,39 @@ def test_autocast_is_part_of_the_key_and_of_the_fallback_key() -> None:
     assert ortfx.stats(wrapped).fallback_calls == 1  # back in ORT
 
 
+class CreatesTensors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum(1) + torch.zeros(x.shape[0])  # the default dtype decides
+
+
+def test_the_default_dtype_is_part_of_the_key() -> None:
+    """torch.set_default_dtype(float64) after the first call: eager's result turns float64
+    (a tensor the forward creates), the float32 graph must not be reused silently."""
+    model = CreatesTensors()
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(2, 4)
+    wrapped(x)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        logging.getLogger("ortfx").disabled = True  # ORT cannot train float64: a fallback
+        try:
+            got, expected = wrapped(x), model(x)
+        finally:
+            logging.getLogger("ortfx").disabled = False
+    finally:
+        torch.set_default_dtype(previous)
+    assert got.dtype == expected.dtype == torch.float64
+    assert max_diff(got, expected) <= 1e-6
+    assert ortfx.stats(wrapped).fallback_calls == 1
+    assert wrapped(x).dtype == torch.float32  # back in ORT
+    assert ortfx.stats(wrapped).fallback_calls == 1
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

@@ -235,9 +235,9 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
 
 
 def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """What makes a call "the same" for fallback: structure, static values, tensor kinds and
-    the autocast state (a call under torch.autocast that fell back says nothing about one
-    outside it)."""
+    """What makes a call "the same" for fallback: structure, static values, tensor kinds, the
+    autocast state and the default dtype (a call under torch.autocast that fell back says
+    nothing about one outside it)."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
     # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
     kinds = tuple(
@@ -249,7 +249,7 @@ def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         for x in leaves
     )
     autocast = tuple(_autocast(torch.device(kind)) for kind in ("cpu", "cuda"))
-    return (spec, kinds, autocast)
+    return (spec, kinds, autocast, _default_dtype())
 
 
 def fall_back(
@@ -458,7 +458,12 @@ def _signature(
         torch.is_grad_enabled(),
         tracked.modes(),
         _autocast(tracked.device),
+        _default_dtype(),
     )
+
+
+def _default_dtype() -> str:
+    return str(torch.get_default_dtype()).removeprefix("torch.")
 
 
 def _autocast(device: torch.device) -> str | None:
@@ -490,6 +495,7 @@ def _context(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallCon
         grad_enabled=torch.is_grad_enabled(),
         other_mode=tracked.other_mode(module.training),
         autocast=_autocast(tracked.device),
+        default_dtype=_default_dtype(),
     )
 
 
