@@ -1103,6 +1103,18 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
     return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))
 
 
+def any_autocast() -> bool:
+    """Whether torch.autocast is on for any device type (torch's private one-call question;
+    without it, the public per-device checks answer, about ten times slower)."""
+    check = _ANY_AUTOCAST
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda", "xpu", "mps"))
+
+
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 # The frames of nn.Module.__call__ (private names; none found: every write counts as outside).
 _MODULE_CALL_CODES = frozenset(
     f.__code__

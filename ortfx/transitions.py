@@ -619,7 +619,7 @@ def signature(
     grad_enabled: bool = False,
     modes: tuple[bool, ...] = (),
     autocast: str | None = None,
-    default_dtype: str = "float32",
+    default_dtype: Hashable = "float32",
 ) -> tuple[Any, ...]:
     """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
     :class:`Call` s in the same context (options, versions, device and parameter names fixed):

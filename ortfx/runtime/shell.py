@@ -50,6 +50,7 @@ from ortfx.errors import (
 from ortfx.export import (
     BRANCH,
     Exported,
+    any_autocast,
     export,
     exporting,
     raise_if_pytorch_raises,
@@ -458,7 +459,8 @@ def _signature(
         torch.is_grad_enabled(),
         tracked.modes(),
         _autocast(tracked.device),
-        _default_dtype(),
+        # The dtype object itself: equal exactly when the name in the key is.
+        torch.get_default_dtype(),
     )
 
 
@@ -468,6 +470,8 @@ def _default_dtype() -> str:
 
 def _autocast(device: torch.device) -> str | None:
     """The dtype torch.autocast runs ``device``'s ops in, or None when it is off there."""
+    if not any_autocast():  # one cheap question on every steady-state call
+        return None
     kind = device.type
     try:
         if not torch.is_autocast_enabled(kind):

@@ -105,7 +105,9 @@ class Tracked:
     def configs_differ(self) -> bool:
         """Whether a config differs from its copy at all: one dict comparison per config and
         call (about 3 µs for GPT-2's)."""
-        return any(vars(config) != copied for _, config, copied in self.configs)
+        return bool(self.configs) and any(
+            vars(config) != copied for _, config, copied in self.configs
+        )
 
     def config_change(self) -> str | None:
         """Why the configs differ from their copies, for the log; None when only metadata
