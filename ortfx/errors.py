@@ -193,6 +193,13 @@ FALLING_BACK = (
     "ORTMODULE_FALLBACK_POLICY=FALLBACK_DISABLE."
 )
 
+TRACED_ATTRIBUTE_WRITES = (
+    "the forward sets attribute %s while exporting: ONNX Runtime runs the exported graph, not "
+    "the forward's Python, so later calls leave these attributes as the exporting call set "
+    "them. Keep such state in a buffer (register_buffer, updated in place: ortfx writes it "
+    "back on every call), return it as an output, or run this module in PyTorch."
+)
+
 TRACED_FORWARD_HOOKS = (
     "forward hooks on %s ran once, while exporting: what they compute with tensors is part of "
     "the graph, but their Python side effects (storing activations, printing, counting) will "

@@ -417,6 +417,32 @@ def test_the_default_dtype_is_part_of_the_key() -> None:
     assert ortfx.stats(wrapped).fallback_calls == 1
 
 
+def test_attributes_the_forward_sets_while_exporting_are_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forward that keeps Python state (a call counter) runs its Python once, while
+    exporting: later calls run the graph. Never silent: the export's WARNING names the
+    attribute; a forward without such writes gets none."""
+    model = nn.Sequential(CountsCalls())
+    wrapped = ortfx.ORTModule(model)
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for _ in range(3):
+            wrapped(X)
+    assert model[0].seen == 1  # as the WARNING says: set by the exporting call only
+    warnings_ = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings_ == [
+        "the forward sets attribute 'seen' of CountsCalls while exporting: ONNX Runtime runs "
+        "the exported graph, not the forward's Python, so later calls leave these attributes "
+        "as the exporting call set them. Keep such state in a buffer (register_buffer, updated "
+        "in place: ortfx writes it back on every call), return it as an output, or run this "
+        "module in PyTorch."
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        ortfx.ORTModule(Switchy())(X)
+    assert not caplog.records
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

@@ -203,6 +203,10 @@ def fallback(log: WrapperLog, flag: FallbackPolicy, reason: str, *, later: str) 
     log.log(logging.WARNING, errors.FALLING_BACK, flag.name, reason, later[0].upper() + later[1:])
 
 
+def traced_writes(log: WrapperLog, attributes: tuple[str, ...]) -> None:
+    log.log(logging.WARNING, errors.TRACED_ATTRIBUTE_WRITES, ", ".join(attributes))
+
+
 def traced_hooks(log: WrapperLog, modules: tuple[str, ...]) -> None:
     log.log(logging.WARNING, errors.TRACED_FORWARD_HOOKS, ", ".join(modules))
 

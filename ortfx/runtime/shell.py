@@ -651,8 +651,14 @@ def _export(
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with gathered_for_export(module):
         source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
-        with watch.muted(module), captured(log, "the ONNX export"):
+        with (
+            watch.muted(module),
+            captured(log, "the ONNX export"),
+            watch.writes_recorded() as writes,
+        ):
             exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
+    if writes:
+        logs.traced_writes(log, tuple(dict.fromkeys(writes)))
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     hooked = watch.user_forward_hooks(module)

@@ -351,6 +351,24 @@ def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
 # there are the module's own doing, traced or run as in eager.
 IN_WRAPPER: contextvars.ContextVar[bool] = contextvars.ContextVar("ortfx_in_wrapper", default=False)
 
+# While exporting: the public plain attributes the forward sets. ORT runs the graph, not the
+# forward's Python, so later calls would leave them as the exporting call set them.
+TRACED_WRITES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "ortfx_traced_writes", default=None
+)
+
+
+@contextlib.contextmanager
+def writes_recorded() -> Iterator[list[str]]:
+    """Collect, in this context, the public plain attributes forwards set (see __setattr__)."""
+    writes: list[str] = []
+    token = TRACED_WRITES.set(writes)
+    try:
+        yield writes
+    finally:
+        TRACED_WRITES.reset(token)
+
+
 _MISSING = object()
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -392,8 +410,19 @@ def _watch_plain_attributes() -> None:
         if torch.compiler.is_compiling():
             original(self, name, value)
             return
-        if not _LIVE or name == "training" or name.startswith("_") or IN_WRAPPER.get():
+        if not _LIVE or name == "training" or name.startswith("_"):
             original(self, name, value)
+            return
+        if IN_WRAPPER.get():
+            original(self, name, value)
+            writes = TRACED_WRITES.get()
+            if (
+                writes is not None
+                and name in self.__dict__
+                # a user's module, not the exporter's own wrappers around it
+                and any(w._ortfx_watches(id(self)) for w in list(_LIVE))
+            ):
+                writes.append(f"{name!r} of {type(self).__name__}")
             return
         old = self.__dict__.get(name, _MISSING)
         original(self, name, value)
