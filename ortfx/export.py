@@ -28,7 +28,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -1101,6 +1101,32 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
     if check is None:
         raise RuntimeError(WILL_EXECUTE_MISSING.format(version=torch.__version__))
     return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))
+
+
+# torch's hook tables (private attribute names) of a module, and the process-wide ones.
+_MODULE_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_GLOBAL_HOOK_TABLES = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def hook_tables(module: torch.nn.Module | None) -> tuple[Mapping[int, Any], ...]:
+    """``module``'s hook dicts (forward pre-hooks, forward hooks, backward pre-hooks,
+    backward hooks), or torch's global ones for ``None``; a table torch no longer has reads as
+    empty."""
+    from torch.nn.modules import module as torch_module
+
+    owner: Any = torch_module if module is None else module
+    names = _GLOBAL_HOOK_TABLES if module is None else _MODULE_HOOK_TABLES
+    return tuple(getattr(owner, name, None) or {} for name in names)
 
 
 def any_autocast() -> bool:

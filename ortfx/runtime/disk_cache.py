@@ -142,24 +142,14 @@ def _value_text(where: str, value: Any) -> str:
     return f"{_code_of(type(value))}:{text}"
 
 
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-)
-
-
 def _module_lines(module: torch.nn.Module) -> Iterator[str]:
-    from torch.nn.modules import module as torch_module
+    from ortfx.export import hook_tables
 
-    if getattr(torch_module, "_global_forward_hooks", None) or getattr(
-        torch_module, "_global_forward_pre_hooks", None
-    ):
+    if any(hook_tables(None)[:2]):  # forward pre-hooks, forward hooks
         raise Uncacheable("a global forward hook is registered")
     for name, sub in module.named_modules(remove_duplicate=False):
         where = name or "<root>"
-        if any(getattr(sub, hooks, None) for hooks in _HOOKS[:2]):
+        if any(hook_tables(sub)[:2]):
             raise Uncacheable(f"{where} has forward hooks")
         yield f"module {where}: {_code_of(type(sub))} training={sub.training}"
         for key, value in sorted(vars(sub).items()):

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from ortfx.errors import PARAMS_ON_SEVERAL_DEVICES, OrtfxDeviceError
+from ortfx.export import hook_tables
 
 Fingerprint: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
@@ -178,19 +179,6 @@ def track(module: torch.nn.Module) -> Tracked:
     )
 
 
-# The hook tables of a module (torch's attribute names) and of the process.
-_MODULE_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-_GLOBAL_HOOKS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-)
 _REMOVED = [0]  # hooks removed in this process (RemovableHandle.remove, counted once watched)
 
 
@@ -210,8 +198,8 @@ def user_forward_hooks(module: torch.nn.Module) -> tuple[str, ...]:
     ``'name' (Type)``: the trace runs them once, ORT never again."""
     found = []
     for name, sub in module.named_modules():
-        for table in _MODULE_HOOKS[:2]:
-            for hook in getattr(sub, table, {}).values():
+        for table in hook_tables(sub)[:2]:  # forward pre-hooks, forward hooks
+            for hook in table.values():
                 function = getattr(hook, "func", hook)  # functools.partial
                 owner = getattr(function, "__module__", None) or ""
                 if owner.split(".")[0] not in _LIBRARY_HOOKS:
@@ -223,18 +211,12 @@ def module_hooks(
     names: tuple[str, ...], modules: tuple[torch.nn.Module, ...]
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Which hook functions the tree's modules and torch's global tables hold, by identity."""
-    from torch.nn.modules import module as torch_module
-
     found = []
     for name, module in zip(names, modules, strict=True):
-        ids = tuple(
-            id(hook) for table in _MODULE_HOOKS for hook in getattr(module, table, {}).values()
-        )
+        ids = tuple(id(hook) for table in hook_tables(module) for hook in table.values())
         if ids:
             found.append((repr(name or "the module") + f" ({type(module).__name__})", ids))
-    ids = tuple(
-        id(hook) for table in _GLOBAL_HOOKS for hook in getattr(torch_module, table, {}).values()
-    )
+    ids = tuple(id(hook) for table in hook_tables(None) for hook in table.values())
     if ids:
         found.append(("every module (global hooks)", ids))
     return tuple(found)
