@@ -82,6 +82,13 @@ UNSUPPORTED_CACHE = (
     "to run it in ONNX Runtime without a cache, or call the module outside ortfx."
 )
 
+FUNCTORCH_TRANSFORM = (
+    "the call runs inside a torch.func transform (vmap, grad, jacrev, jvp, ...), whose "
+    "wrapped tensors cannot cross into ONNX Runtime: ortfx runs its graph only for plain "
+    "calls. Apply the transform to the wrapped module itself (model.module), or let ortfx run "
+    "such calls in PyTorch (the default fallback policy does)."
+)
+
 UNSUPPORTED_LAYOUT = (
     "{where} {path} is a {layout} tensor; ortfx carries only dense (torch.strided) tensors "
     "through an ONNX graph. Convert it with .to_dense() before the call, or call the module "

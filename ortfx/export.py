@@ -1129,6 +1129,14 @@ def hook_tables(module: torch.nn.Module | None) -> tuple[Mapping[int, Any], ...]
     return tuple(getattr(owner, name, None) or {} for name in names)
 
 
+def in_functorch_transform() -> bool:
+    """Whether this call runs inside a torch.func transform (vmap, grad, ...): torch's
+    private level query; without it, never (torch's own error then speaks)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    level = getattr(functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
 def any_autocast() -> bool:
     """Whether torch.autocast is on for any device type (torch's private one-call question;
     without it, the public per-device checks answer, about ten times slower)."""

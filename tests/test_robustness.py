@@ -79,6 +79,34 @@ def test_a_module_on_meta_falls_back_with_the_device_error() -> None:
         wrapped(torch.randn(2, 4, device="meta"))
 
 
+def test_torch_func_transforms_run_in_pytorch_or_raise_ortfx_error() -> None:
+    """torch.func.grad / vmap over the wrapper: their wrapped tensors cannot cross into ORT.
+    The default policy runs those calls in PyTorch (values as eager's), plain calls stay in
+    ORT; DISABLE raises ortfx's error saying what to do instead of torch's internal one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(3, 4)
+    wrapped(x)
+    logging.getLogger("ortfx").disabled = True  # the fallback's WARNING is expected
+    try:
+        got = torch.func.grad(lambda t: wrapped(t).sum())(x)
+        batched = torch.func.vmap(wrapped)(x.unsqueeze(1))
+    finally:
+        logging.getLogger("ortfx").disabled = False
+    assert max_diff(got, torch.func.grad(lambda t: model(t).sum())(x)) <= 1e-6
+    assert max_diff(batched, torch.func.vmap(model)(x.unsqueeze(1))) <= 1e-6
+    calls_in_torch = ortfx.stats(wrapped).fallback_calls
+    assert calls_in_torch == 2
+    assert max_diff(wrapped(x), model(x)) <= 1e-6
+    assert ortfx.stats(wrapped).fallback_calls == calls_in_torch  # the plain call: ORT
+    strict = ortfx.ORTModule(
+        nn.Linear(4, 1), options=ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    )
+    with pytest.raises(ortfx.OrtfxIOError, match=r"inside a torch\.func transform"):
+        torch.func.grad(lambda t: strict(t).sum())(x)
+
+
 THREADS = """
 import threading, torch, ortfx
 from torch import nn

@@ -28,6 +28,7 @@ import torch
 
 from ortfx import io, memory, passes
 from ortfx.errors import (
+    FUNCTORCH_TRANSFORM,
     INPUT_CHANGED_IN_PLACE,
     INPUT_ON_OTHER_DEVICE,
     NO_GRADIENT_GRAPH,
@@ -53,6 +54,7 @@ from ortfx.export import (
     any_autocast,
     export,
     exporting,
+    in_functorch_transform,
     raise_if_pytorch_raises,
     resolve_exporter,
 )
@@ -237,8 +239,8 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
 
 def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """What makes a call "the same" for fallback: structure, static values, tensor kinds, the
-    autocast state and the default dtype (a call under torch.autocast that fell back says
-    nothing about one outside it)."""
+    autocast state, the default dtype and whether a torch.func transform is active (a call
+    under torch.autocast or vmap that fell back says nothing about one outside it)."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
     # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
     kinds = tuple(
@@ -250,7 +252,7 @@ def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         for x in leaves
     )
     autocast = tuple(_autocast(torch.device(kind)) for kind in ("cpu", "cuda"))
-    return (spec, kinds, autocast, _default_dtype())
+    return (spec, kinds, autocast, _default_dtype(), in_functorch_transform())
 
 
 def fall_back(
@@ -310,6 +312,8 @@ def call(
             shell = attrs.evolve(shell, state=note_fallback_call(shell.state, reason))
             return _in_torch(shell, module, args, kwargs)
     try:
+        if in_functorch_transform():
+            raise OrtfxIOError(FUNCTORCH_TRANSFORM)
         return run(shell, module, args, kwargs)
     except OrtfxEmptyTensorError as error:
         # Only this call: an empty batch says nothing about the next one.
