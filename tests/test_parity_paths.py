@@ -173,6 +173,25 @@ def test_a_submodule_in_the_other_mode_is_traced_in_its_own_mode() -> None:
     assert ortfx.stats(wrapped).exports == 2
 
 
+def test_a_first_call_under_inference_mode_runs_in_ort() -> None:
+    """The tracer cannot record inference tensors: the first call made under
+    torch.inference_mode() (a validation pass before training) used to fail its export and
+    fall back for good. Traced outside inference mode now: outputs as eager's, in ORT, and
+    training afterwards matches eager's gradients (1e-5)."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    wrapped = _strict(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        got, expected = wrapped(x), eager(x)
+    assert max_diff(got, expected) <= 1e-6 and got.is_inference()
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+        assert max_diff(p.grad, q.grad) <= 1e-5, name
+    assert ortfx.stats(wrapped).fallback_calls == 0
+
+
 class ScalesInputInPlace(nn.Module):
     def __init__(self) -> None:
         super().__init__()

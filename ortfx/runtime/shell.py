@@ -12,13 +12,14 @@ carries in :class:`CallFailed`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -239,8 +240,9 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
 
 def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """What makes a call "the same" for fallback: structure, static values, tensor kinds, the
-    autocast state, the default dtype and whether a torch.func transform is active (a call
-    under torch.autocast or vmap that fell back says nothing about one outside it)."""
+    autocast state, the default dtype, whether a torch.func transform or inference mode is
+    active (a call under torch.autocast or vmap that fell back says nothing about one outside
+    it)."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
     # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
     kinds = tuple(
@@ -252,7 +254,8 @@ def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         for x in leaves
     )
     autocast = tuple(_autocast(torch.device(kind)) for kind in ("cpu", "cuda"))
-    return (spec, kinds, autocast, _default_dtype(), in_functorch_transform())
+    modes = (_default_dtype(), in_functorch_transform(), torch.is_inference_mode_enabled())
+    return (spec, kinds, autocast, modes)
 
 
 def fall_back(
@@ -659,8 +662,12 @@ def _export(
             watch.muted(module),
             captured(log, "the ONNX export"),
             watch.writes_recorded() as writes,
+            _outside_inference_mode(),
         ):
-            exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
+            traced = [
+                t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in leaves
+            ]
+            exported = export(source, traced, call.key.schema, call.key.options, call.grad_enabled)
     if writes:
         logs.traced_writes(log, tuple(dict.fromkeys(writes)))
     if exported.checkpoint_calls:
@@ -698,6 +705,19 @@ def _export(
     logs.save_onnx(prefix, "post_processed", mode, info.model)
     timings = Timings(export=exported.seconds)
     return info, timings, exported.numbers_from_tensors, exported.reads_grad_mode
+
+
+@contextlib.contextmanager
+def _outside_inference_mode() -> Iterator[None]:
+    """The tracer cannot record inference tensors (they have no version counter): a call under
+    torch.inference_mode() is traced outside it, grad mode still off, on normal copies of its
+    inference tensors (made by the caller of this context)."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    # inference_mode(False) turns grad mode on: the call's own mode (off) is put back.
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _from_disk_cache(
