@@ -107,6 +107,37 @@ def test_torch_func_transforms_run_in_pytorch_or_raise_ortfx_error() -> None:
         torch.func.grad(lambda t: strict(t).sum())(x)
 
 
+class EvalOnlyUnsupported(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return torch.special.i0(y) if not self.training else y  # i0: no ONNX export
+
+
+def test_an_eval_fallback_leaves_training_calls_in_ort() -> None:
+    """The fallback key holds the train/eval mode and grad mode: a validation call whose
+    eval-mode graph cannot be exported runs in PyTorch, and the training calls after it still
+    run in ORT (they all fell back before, silently slower)."""
+    model = EvalOnlyUnsupported()
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(2, 4)
+    logging.getLogger("ortfx").disabled = True  # the fallback's WARNING is expected
+    try:
+        wrapped.eval()
+        with torch.no_grad():
+            assert max_diff(wrapped(x), model(x)) <= 1e-6
+        wrapped.train()
+        for _ in range(2):
+            assert max_diff(wrapped(x), model(x)) <= 1e-6
+    finally:
+        logging.getLogger("ortfx").disabled = False
+    stats = ortfx.stats(wrapped)
+    assert (stats.fallback_calls, stats.exports) == (1, 1)
+
+
 THREADS = """
 import threading, torch, ortfx
 from torch import nn

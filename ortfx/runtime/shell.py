@@ -238,11 +238,13 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
 )
 
 
-def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+def fallback_key(
+    args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module | None = None
+) -> Hashable:
     """What makes a call "the same" for fallback: structure, static values, tensor kinds, the
     autocast state, the default dtype, whether a torch.func transform or inference mode is
-    active (a call under torch.autocast or vmap that fell back says nothing about one outside
-    it)."""
+    active, grad mode and the module's train/eval mode (a call under torch.autocast, vmap or
+    in eval mode that fell back says nothing about a training call)."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
     # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
     kinds = tuple(
@@ -254,7 +256,13 @@ def fallback_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         for x in leaves
     )
     autocast = tuple(_autocast(torch.device(kind)) for kind in ("cpu", "cuda"))
-    modes = (_default_dtype(), in_functorch_transform(), torch.is_inference_mode_enabled())
+    modes = (
+        _default_dtype(),
+        in_functorch_transform(),
+        torch.is_inference_mode_enabled(),
+        torch.is_grad_enabled(),
+        None if module is None else module.training,
+    )
     return (spec, kinds, autocast, modes)
 
 
@@ -277,9 +285,11 @@ def fall_back(
     return attrs.evolve(shell, state=state, fast=None)
 
 
-def _fallback_reason(shell: Shell, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def _fallback_reason(
+    shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
     state = shell.state
-    key = ALWAYS if state.fallbacks[0][0] is ALWAYS else fallback_key(args, kwargs)
+    key = ALWAYS if state.fallbacks[0][0] is ALWAYS else fallback_key(args, kwargs, module)
     reason = state.fallback_reason(key)
     if reason is None and not shell.options.fallback_retry:
         reason = state.fallbacks[-1][1]
@@ -310,7 +320,7 @@ def call(
         # the outer graph takes this module in.
         return _in_torch(shell, module, args, kwargs)
     if shell.state.fallbacks:
-        reason = _fallback_reason(shell, args, kwargs)
+        reason = _fallback_reason(shell, module, args, kwargs)
         if reason is not None:
             shell = attrs.evolve(shell, state=note_fallback_call(shell.state, reason))
             return _in_torch(shell, module, args, kwargs)
@@ -328,7 +338,7 @@ def call(
     except OrtfxError as error:
         failed = attrs.evolve(shell, state=count_failure(shell.state))
         try:
-            fallen = fall_back(shell, error, key=fallback_key(args, kwargs))
+            fallen = fall_back(shell, error, key=fallback_key(args, kwargs, module))
         except OrtfxError:
             raise CallFailed(error, failed) from None
         return _in_torch(fallen, module, args, kwargs)
