@@ -276,11 +276,23 @@ class ReturnsSize(nn.Module):
         return self.lin(x), int(x.shape[0])
 
 
+class CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # Python state: a warm start would never run it
+        return self.lin(x)
+
+
 @pytest.mark.parametrize(
     ("model", "why"),
     [
         (Branches, "the tracer baked in a branch on tensor values"),
         (ReturnsSize, "the graph returns Python numbers computed from tensors"),
+        (CountsCalls, "the forward sets attributes of its modules"),
     ],
 )
 def test_values_from_this_runs_tensors_are_not_stored(

@@ -7,8 +7,8 @@ dtype, the export options, the module tree (class, class source file, training f
 attribute values of every submodule; name, shape, dtype and requires_grad of every parameter
 and buffer), the inputs of the ``for_export`` passes, and the versions of torch, onnx, ORT,
 Python and ortfx (its sources included). A module the digest cannot describe safely (a forward
-hook, an attribute with no stable text) is not cached, nor is a graph with PythonOps or values
-the tracer baked in.
+hook, an attribute with no stable text) is not cached, nor is a graph with PythonOps, values
+the tracer baked in, or a forward that sets attributes of its modules.
 
 Entries are pickles: the directory must be trusted, as a ``torch.load`` path. Writes go to a
 temporary file that replaces the entry atomically; an entry that cannot be read or fails its

@@ -707,7 +707,12 @@ def _export(
     events.emit("export", info)
     if cached is not None:
         _to_disk_cache(
-            log, cached, exported, info, dynamic_scalars=bool(shell.options.dynamic_scalars)
+            log,
+            cached,
+            exported,
+            info,
+            dynamic_scalars=bool(shell.options.dynamic_scalars),
+            writes=bool(writes),
         )
     prefix = logs.save_prefix(shell.options)
     mode = "training" if call.key.training else "inference"
@@ -766,6 +771,7 @@ def _to_disk_cache(
     info: PostExportProcessedModelInfo,
     *,
     dynamic_scalars: bool,
+    writes: bool = False,
 ) -> None:
     # Correctness first: a PythonOp names a Python class whose code the digest does not cover;
     # a branch on tensor values or a Python number taken from a tensor came from this run's
@@ -783,6 +789,10 @@ def _to_disk_cache(
         if branches
         else "the tracer baked in values while scalars are fed as tensors (dynamic_scalars)"
         if exported.tracer_warnings and dynamic_scalars
+        # A warm start would skip the forward's Python, and with it the exporting call's
+        # writes and the WARNING that names them.
+        else "the forward sets attributes of its modules"
+        if writes
         else ""
     )
     if refused:
