@@ -933,6 +933,15 @@ def export(
     The record's ``inputs`` are the graph's inputs as exported (user tensors by path, then
     parameters and buffers by module path); grad flags are filled in by processing.
     """
+    if torch.is_inference_mode_enabled():
+        # The tracer cannot record inference tensors (they have no version counter): a call
+        # under torch.inference_mode() is traced outside it, on normal copies of them.
+        # inference_mode(False) turns grad mode on: the call's own mode (off) is put back.
+        with torch.inference_mode(False), torch.no_grad():
+            normal = [
+                t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in leaves
+            ]
+            return export(module, normal, schema, options, grad_enabled)
     start = time.perf_counter()
     taken: set[str] = set()
     positions = schema.tensor_indices()
@@ -1132,9 +1141,12 @@ def hook_tables(module: torch.nn.Module | None) -> tuple[Mapping[int, Any], ...]
 def in_functorch_transform() -> bool:
     """Whether this call runs inside a torch.func transform (vmap, grad, ...): torch's
     private level query; without it, never (torch's own error then speaks)."""
-    functorch = getattr(torch._C, "_functorch", None)
-    level = getattr(functorch, "maybe_current_level", None)
+    level = _FUNCTORCH_LEVEL
     return level is not None and level() is not None
+
+
+# Looked up once: the question is asked on every call.
+_FUNCTORCH_LEVEL = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
 
 
 def any_autocast() -> bool:

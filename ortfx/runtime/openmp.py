@@ -35,6 +35,7 @@ from ortfx.options import Options
 _PAUSE_SOFT = 1  # omp_pause_soft in omp.h (OpenMP 5.0)
 
 _LOCAL = threading.local()
+RELEASED = "released while ORT runs"  # the feature table's value when runs release them
 
 
 @functools.cache
@@ -74,13 +75,7 @@ def wanted(options: Options, ort_threads: int) -> bool:
     With one ORT thread, spinning workers only take cores ORT does not use, so the release
     (and torch's re-creation of its workers) would be pure cost.
     """
-    return (
-        options.release_torch_threads
-        and ort_threads > 1
-        and torch.get_num_threads() > 1
-        and not passive()
-        and available()
-    )
+    return describe(options, ort_threads) == RELEASED
 
 
 def describe(options: Options, ort_threads: int) -> str:
@@ -93,7 +88,7 @@ def describe(options: Options, ort_threads: int) -> str:
         return "spinning (no OpenMP 5.0 runtime found to release them)"
     if ort_threads <= 1 or torch.get_num_threads() <= 1:
         return "spinning (one thread: nothing to release)"
-    return "released while ORT runs"
+    return RELEASED
 
 
 @contextlib.contextmanager

@@ -12,14 +12,13 @@ carries in :class:`CallFailed`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -672,12 +671,8 @@ def _export(
             watch.muted(module),
             captured(log, "the ONNX export"),
             watch.writes_recorded() as writes,
-            _outside_inference_mode(),
         ):
-            traced = [
-                t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in leaves
-            ]
-            exported = export(source, traced, call.key.schema, call.key.options, call.grad_enabled)
+            exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
     if writes:
         logs.traced_writes(log, tuple(dict.fromkeys(writes)))
     if exported.checkpoint_calls:
@@ -720,19 +715,6 @@ def _export(
     logs.save_onnx(prefix, "post_processed", mode, info.model)
     timings = Timings(export=exported.seconds)
     return info, timings, exported.numbers_from_tensors, exported.reads_grad_mode
-
-
-@contextlib.contextmanager
-def _outside_inference_mode() -> Iterator[None]:
-    """The tracer cannot record inference tensors (they have no version counter): a call under
-    torch.inference_mode() is traced outside it, grad mode still off, on normal copies of its
-    inference tensors (made by the caller of this context)."""
-    if not torch.is_inference_mode_enabled():
-        yield
-        return
-    # inference_mode(False) turns grad mode on: the call's own mode (off) is put back.
-    with torch.inference_mode(False), torch.no_grad():
-        yield
 
 
 def _from_disk_cache(

@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from ortfx.errors import PARAMS_ON_SEVERAL_DEVICES, OrtfxDeviceError
-from ortfx.export import hook_tables
+from ortfx.export import hook_tables, inside_module_call
 
 Fingerprint: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
@@ -360,8 +360,6 @@ def _on_plain_attribute(module: torch.nn.Module, name: str, old: Any, value: Any
     every wrapper whose tree holds ``module`` may have the old value traced in."""
     if old is value or (type(old) is type(value) and type(value) in _PLAIN and old == value):
         return  # the same value again (model.flag = True twice): nothing the trace saw changed
-    from ortfx.export import inside_module_call
-
     if inside_module_call(sys._getframe(2)):
         return  # a forward run in eager writing its own state (self.last_attention = ...)
     counts = _muted()
