@@ -50,6 +50,9 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
     "eager": ("PyTorch eager (reference)", None, {}),
     "baseline": ("ortfx defaults", None, {}),
     "opt-disable": ("graph_optimization_level = ORT_DISABLE_ALL", _level("ORT_DISABLE_ALL"), {}),
+    # ortfx's plain CPU training sessions skip ORT's passes since 2026-11-26: this measures
+    # what the passes would still bring.
+    "opt-all": ("graph_optimization_level = ORT_ENABLE_ALL", _level("ORT_ENABLE_ALL"), {}),
     "opt-basic": ("graph_optimization_level = ORT_ENABLE_BASIC", _level("ORT_ENABLE_BASIC"), {}),
     "opt-extended": (
         "graph_optimization_level = ORT_ENABLE_EXTENDED",

@@ -345,3 +345,47 @@ def test_without_the_cpu_memory_arena_training_matches() -> None:
     runners = [args[1] for name, args in seen if name == "session" and args[0] == "training"]
     assert len(runners) == 1
     assert runners[0].session.get_session_options().enable_cpu_mem_arena is False
+
+
+def _levels(seen: list[tuple[str, tuple[Any, ...]]], kind: str) -> list[Any]:
+    return [
+        args[1].session.get_session_options().graph_optimization_level
+        for name, args in seen
+        if name == "session" and args[0] == kind
+    ]
+
+
+def test_training_sessions_skip_ort_graph_optimizations_only_where_nothing_needs_them() -> None:
+    """The gradient builder already optimized the graph: a plain CPU training session skips
+    ORT's own passes (0.1 s of session creation, no step time). Memory plans (recompute) and
+    memory-efficient gradients keep them, and so do inference sessions."""
+    import onnxruntime as ort
+
+    from ortfx.runtime import events
+    from tests.models import check_parity
+
+    level = ort.GraphOptimizationLevel
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    wrapped = ortfx.ORTModule(models.MLP())
+    with events.recording() as seen:
+        check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
+        with torch.no_grad():
+            wrapped(x)
+    assert _levels(seen, "training") == [level.ORT_DISABLE_ALL]
+    assert _levels(seen, "inference") == [level.ORT_ENABLE_ALL]
+
+    block = models.GPTBlock()
+    tokens = torch.randn(2, 16, 32)
+    recompute = ortfx.ORTModule(block, options=Options(memory_opt_level=1))
+    with events.recording() as seen:
+        recompute(tokens).sum().backward()
+    assert any(plan.enabled for plan in ortfx.memory_report(recompute))  # the session runs them
+    assert _levels(seen, "training")[-1] == level.ORT_ENABLE_ALL
+
+    efficient = ortfx.ORTModule(
+        models.MLP(), options=Options(enable_mem_efficient_grad_management=True)
+    )
+    with events.recording() as seen:
+        efficient(x).sum().backward()
+    assert _levels(seen, "training") == [level.ORT_ENABLE_ALL]

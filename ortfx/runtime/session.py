@@ -202,8 +202,12 @@ def _session(
         raise OrtfxInitError(SESSION_FAILED.format(kind=kind, error=first, device=device)) from e
 
 
-def session_options(options: Options, *, training: bool, deterministic: bool) -> Any:
+def session_options(
+    options: Options, *, training: bool, deterministic: bool, graph_optimizations: bool = True
+) -> Any:
     so = ort.SessionOptions()
+    if not graph_optimizations:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     # Training: ORT would otherwise reuse a forward output's buffer during backward and silently
     # overwrite the tensor the user holds.
     so.enable_mem_reuse = not training
@@ -465,10 +469,16 @@ def _open(
     deterministic: bool,
     optimized_path: str | None,
     memory: tuple[str, tuple[str, ...]] | None = None,
+    graph_optimizations: bool = True,
 ) -> Any:
     """An ``InferenceSession`` over ``model`` with ortfx's settings (one place for both kinds)."""
     providers, _ = _providers(device)
-    so = session_options(options, training=training, deterministic=deterministic)
+    so = session_options(
+        options,
+        training=training,
+        deterministic=deterministic,
+        graph_optimizations=graph_optimizations,
+    )
     if optimized_path:
         so.optimized_model_filepath = optimized_path
     plan_file = None
@@ -694,6 +704,19 @@ ATEN_NEEDS_BRIDGE = (
 )
 
 
+def _builder_optimized_is_enough(
+    info: PostExportProcessedModelInfo,
+    device: torch.device,
+    memory: tuple[str, tuple[str, ...]] | None,
+) -> bool:
+    """Whether the session may skip ORT's graph optimizations: the gradient builder has already
+    run the training transformers, and on CPU the session's own passes bought no step time but
+    cost 0.1 s of session creation (GPT-2-like model; bench.session_settings, docs/performance).
+    Kept where they do work: the memory optimizer's plans (recompute) and memory-efficient
+    gradients (the buffers handed to torch without a copy), and on other devices (untested)."""
+    return device.type == "cpu" and memory is None and not info.fed_params
+
+
 def open_training(
     info: PostExportProcessedModelInfo,
     device: torch.device,
@@ -761,6 +784,7 @@ def open_training(
             deterministic=deterministic,
             optimized_path=executed,
             memory=memory,
+            graph_optimizations=not _builder_optimized_is_enough(info, device, memory),
         )
         owned = _owned_gradients(executed) if info.fed_params else frozenset()
     feeds = [*gi.user_input_names, *gi.initializer_names]
