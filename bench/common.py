@@ -70,6 +70,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_isa() -> str:
+    """The widest x86 vector extension the CPU reports: the same model name ("AMD EPYC") has
+    come with and without AVX-512 here, and MLAS against MKL depends on it (performance.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    names = {"avx512f": "AVX-512", "avx2": "AVX2", "avx": "AVX"}
+                    return next((n for f, n in names.items() if f in flags), "no AVX")
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
+
+
 def git_commit() -> str:
     """The checked-out commit, read from .git without running git."""
     try:
@@ -112,6 +127,7 @@ def machine() -> dict[str, Any]:
     return {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu_model(),
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gb": round(mem_kb / 1024 / 1024, 1),
@@ -126,7 +142,8 @@ def machine() -> dict[str, Any]:
 
 def describe(m: dict[str, Any]) -> str:
     return (
-        f"{m['date']} | {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
+        f"{m['date']} | {m['cpu']} ({m.get('isa', '?')}), "
+        f"{m['cores']} cores ({m['usable_cores']} usable), "
         f"{m['memory_gb']} GB | load {m['loadavg']} | python {m['python']}, torch {m['torch']}, "
         f"onnxruntime {m['onnxruntime']}, transformers {m['transformers']} | commit {m['commit']}"
     )
