@@ -66,6 +66,13 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
     "mem-pattern": ("enable_mem_pattern = True", _set("enable_mem_pattern", lambda o: True), {}),
     "no-prepack": ("session.disable_prepacking = 1", _entry("session.disable_prepacking", "1"),
                    {}),
+    # ortfx's CPU sessions share one arena registered in ORT's environment since 2026-11-26;
+    # this gives each session its own again (compare in separate processes, not --paired).
+    "own-arena": (
+        "session.use_env_allocators = 0: an arena per session",
+        _entry("session.use_env_allocators", "0"),
+        {},
+    ),
     "no-arena": ("enable_cpu_mem_arena = False", _set("enable_cpu_mem_arena", lambda o: False),
                  {}),
     "compute-opt-off": (

@@ -389,3 +389,66 @@ def test_training_sessions_skip_ort_graph_optimizations_only_where_nothing_needs
     with events.recording() as seen:
         efficient(x).sum().backward()
     assert _levels(seen, "training") == [level.ORT_ENABLE_ALL]
+
+
+def test_cpu_sessions_share_one_arena_unless_the_arena_is_off() -> None:
+    """Training and inference sessions allocate from one arena in ORT's environment (an eval
+    run reuses the training run's free blocks); ``cpu_mem_arena=False`` keeps them off it."""
+    from ortfx.runtime import events
+
+    def entry(runner: Any) -> str | None:
+        try:
+            value: str = runner.session.get_session_options().get_session_config_entry(
+                "session.use_env_allocators"
+            )
+        except RuntimeError:  # ORT: no such entry
+            return None
+        return value
+
+    def entries(wrapped: Any) -> list[str | None]:
+        x = torch.randn(4, 8, requires_grad=True)
+        with events.recording() as seen:
+            wrapped(x).sum().backward()
+            with torch.no_grad():
+                wrapped(x)
+        return [entry(args[1]) for name, args in seen if name == "session"]
+
+    assert entries(ortfx.ORTModule(models.MLP())) == ["1", "1"]
+    assert entries(ortfx.ORTModule(models.MLP(), options=Options(cpu_mem_arena=False))) == [
+        None,
+        None,
+    ]
+
+
+_USER_ALLOCATOR_FIRST = """
+import onnxruntime as ort
+import torch
+import ortfx
+from tests import models
+from tests.models import check_parity
+
+info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+torch.manual_seed(0)
+x = torch.randn(4, 8, requires_grad=True)
+wrapped = ortfx.ORTModule(models.MLP())
+check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
+print("trained", ortfx.stats(wrapped).exports)
+"""
+
+
+def test_a_cpu_allocator_the_user_registered_first_serves_ortfx_too() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-c", _USER_ALLOCATOR_FIRST],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "trained 1"
