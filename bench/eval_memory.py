@@ -56,6 +56,7 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
     losses = []
     evals = 0
     later_peak = 0
+    early_peak = 0  # VmHWM before it is reset (the reset also resets getrusage's ru_maxrss)
     for step in range(ns.steps):
         args, kwargs = make_batch(step)
         loss = loss_fn(wrapped(*args, **kwargs))
@@ -66,6 +67,7 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
         del loss
         if (step + 1) % ns.eval_every == 0:
             if evals == 1:  # from the second validation on: the eval export is behind us
+                early_peak = _status("VmHWM")
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
             wrapped.eval()
@@ -79,7 +81,7 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
     return {
         "variant": ns.variant,
         "rss_end_mb": _status("VmRSS"),
-        "peak_mb": common.peak_rss_mb(),
+        "peak_mb": max(early_peak, _status("VmHWM")),
         "peak_after_first_eval_mb": later_peak,
         "losses": losses,
     }
