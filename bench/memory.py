@@ -140,6 +140,8 @@ def _disable_ort_arena() -> None:
 
     def no_arena(so: Any, training: bool) -> None:
         so.enable_cpu_mem_arena = False
+        # ortfx's shared arena in ORT's environment would serve the session anyway.
+        so.add_session_config_entry("session.use_env_allocators", "0")
 
     events.session_option_edits.append(no_arena)
 

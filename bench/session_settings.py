@@ -42,6 +42,12 @@ def _level(name: str) -> SoEdit:
     return _set("graph_optimization_level", lambda o: getattr(o.GraphOptimizationLevel, name))
 
 
+def _no_arena(so: Any, ort: Any) -> None:
+    so.enable_cpu_mem_arena = False
+    # ortfx's shared arena in ORT's environment would serve the session anyway.
+    so.add_session_config_entry("session.use_env_allocators", "0")
+
+
 def _order(name: str) -> SoEdit:
     return _set("execution_order", lambda o: getattr(o.ExecutionOrder, name))
 
@@ -73,8 +79,7 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         _entry("session.use_env_allocators", "0"),
         {},
     ),
-    "no-arena": ("enable_cpu_mem_arena = False", _set("enable_cpu_mem_arena", lambda o: False),
-                 {}),
+    "no-arena": ("enable_cpu_mem_arena = False", _no_arena, {}),
     "compute-opt-off": (
         "Options(enable_compute_optimizer=False) (TrainingGraphTransformerConfiguration)",
         None,

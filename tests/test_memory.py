@@ -257,3 +257,35 @@ def test_plan_strings_and_estimates() -> None:
     assert evaluate("((a)*(b)*(4)) * 4 * 1.000000 + floor(c/4)", {"a": 2, "b": 3, "c": 9}) == 98.0
     assert evaluate("empty_dim_param3 * 4", {"a": 1}) is None
     assert evaluate("__import__('os')", {}) is None
+
+
+def test_every_plan_discovered_at_level_1_is_applied(tmp_path: Any) -> None:
+    """Plans are named by the ops of the graph they were found on: discovery and the session
+    that applies them must see the same graph, or plans reported ON match nothing (silently).
+    The reference forces ORT's full optimization on every session through the seam."""
+    import onnxruntime as ort
+
+    from ortfx.runtime import events
+
+    def recompute_nodes(where: Any, force_all: bool) -> int:
+        torch.manual_seed(0)
+        model, args, _, loss = _block_case()
+        debug = ortfx.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=str(where))
+        every = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if force_all:
+            events.session_option_edits.append(
+                lambda so, training: setattr(so, "graph_optimization_level", every)
+            )
+        try:
+            wrapped = ortfx.ORTModule(model, debug, options=ortfx.Options(memory_opt_level=1))
+            loss(wrapped(*args)).backward()
+        finally:
+            if force_all:
+                events.session_option_edits.pop()
+        return _recompute_nodes(str(where))
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    applied = recompute_nodes(tmp_path / "a", force_all=False)
+    assert applied == recompute_nodes(tmp_path / "b", force_all=True)
+    assert applied >= 20  # GPTBlock: most of its 7 plans, several nodes each

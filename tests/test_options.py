@@ -377,11 +377,25 @@ def test_training_sessions_skip_ort_graph_optimizations_only_where_nothing_needs
 
     block = models.GPTBlock()
     tokens = torch.randn(2, 16, 32)
-    recompute = ortfx.ORTModule(block, options=Options(memory_opt_level=1))
-    with events.recording() as seen:
+    # Plans are discovered on, and applied to, the graph ORT's passes make (their names follow
+    # the fused ops): the probe sessions keep the passes too, at level 1 and for memory_report.
+    asked: list[Any] = []
+    events.session_option_edits.append(lambda so, training: asked.append(so))
+    try:
+        recompute = ortfx.ORTModule(block, options=Options(memory_opt_level=1))
         recompute(tokens).sum().backward()
-    assert any(plan.enabled for plan in ortfx.memory_report(recompute))  # the session runs them
-    assert _levels(seen, "training")[-1] == level.ORT_ENABLE_ALL
+        assert any(plan.enabled for plan in ortfx.memory_report(recompute))
+        plain = ortfx.ORTModule(models.GPTBlock())
+        plain(tokens).sum().backward()
+        ortfx.memory_report(plain)  # its own probe session
+    finally:
+        events.session_option_edits.pop()
+    assert [so.graph_optimization_level for so in asked] == [
+        level.ORT_ENABLE_ALL,  # level 1: discovery
+        level.ORT_ENABLE_ALL,  # level 1: the plans applied
+        level.ORT_DISABLE_ALL,  # plain training
+        level.ORT_ENABLE_ALL,  # memory_report's probe
+    ]
 
     efficient = ortfx.ORTModule(
         models.MLP(), options=Options(enable_mem_efficient_grad_management=True)
@@ -420,30 +434,14 @@ def test_cpu_sessions_share_one_arena_unless_the_arena_is_off() -> None:
     ]
 
 
-_USER_ALLOCATOR_FIRST = """
-import onnxruntime as ort
-import torch
-import ortfx
-from tests import models
-from tests.models import check_parity
-
-info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
-torch.manual_seed(0)
-x = torch.randn(4, 8, requires_grad=True)
-wrapped = ortfx.ORTModule(models.MLP())
-check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
-print("trained", ortfx.stats(wrapped).exports)
-"""
-
-
-def test_a_cpu_allocator_the_user_registered_first_serves_ortfx_too() -> None:
+def _run_script(code: str, *argv: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter from the repository root; its stdout lines."""
     import subprocess
     import sys
     from pathlib import Path
 
     result = subprocess.run(
-        [sys.executable, "-c", _USER_ALLOCATOR_FIRST],
+        [sys.executable, "-c", code, *argv],
         capture_output=True,
         text=True,
         check=False,
@@ -451,4 +449,117 @@ def test_a_cpu_allocator_the_user_registered_first_serves_ortfx_too() -> None:
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "trained 1"
+    return result.stdout.strip().splitlines()
+
+
+_ALLOCATOR_ORDER = """
+import sys
+import onnxruntime as ort
+import torch
+import ortfx
+from ortfx.runtime import events
+from tests import models
+from tests.models import check_parity
+
+info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+def register():
+    try:
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+        return "registered"
+    except RuntimeError as e:
+        return "refused" if "already been registered" in str(e) else str(e)
+
+user_first = sys.argv[1] == "user-first"
+if user_first:
+    print(register())
+torch.manual_seed(0)
+x = torch.randn(4, 8, requires_grad=True)
+wrapped = ortfx.ORTModule(models.MLP())
+with events.recording() as seen:
+    check_parity(wrapped.module, (x,), loss=lambda y: y.square().sum(), wrapped=wrapped)
+(runner,) = [args[1] for name, args in seen if name == "session"]
+print(runner.session.get_session_options().get_session_config_entry("session.use_env_allocators"))
+if not user_first:
+    print(register())
+"""
+
+
+@pytest.mark.parametrize("order", ["user-first", "ortfx-first"])
+def test_the_cpu_allocator_slot_with_a_user_allocator(order: str) -> None:
+    """One CPU allocator can be registered in ORT's environment: a user's registered first
+    serves ortfx's sessions (which train as in PyTorch); once ortfx has registered its arena,
+    ORT refuses the user's."""
+    lines = _run_script(_ALLOCATOR_ORDER, order)
+    assert lines[-2:] == (["registered", "1"] if order == "user-first" else ["1", "refused"])
+
+
+def test_sessions_keep_their_own_arenas_when_orts_environment_refuses_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ortfx.runtime import arena, events, session
+
+    def refuse(*args: Any) -> None:
+        raise RuntimeError("no allocator for you")
+
+    monkeypatch.setattr(arena, "_registered", False)
+    monkeypatch.setattr(arena, "_failed", False)
+    monkeypatch.setattr(session.ort, "create_and_register_allocator", refuse)
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    wrapped = ortfx.ORTModule(models.MLP())
+    with (
+        pytest.warns(ortfx.OrtfxWarning, match=r"could not register one CPU arena .*no allocator"),
+        events.recording() as seen,
+    ):
+        out = wrapped(x).sum()
+    out.backward()
+    (runner,) = [args[1] for name, args in seen if name == "session"]
+    with pytest.raises(RuntimeError):  # no such entry: the session's own arena
+        runner.session.get_session_options().get_session_config_entry("session.use_env_allocators")
+    assert torch.allclose(out, wrapped.module(x).sum(), atol=1e-6)
+
+
+_ARENA_RETURNED = """
+import gc
+import torch
+import ortfx
+from ortfx.runtime import events
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+shrunk = []
+events.listen(lambda name, *args: shrunk.append(name) if name == "arena_shrunk" else None)
+torch.manual_seed(0)
+x = torch.randn(8192, 1024)  # 32 MB per activation: the arena grows by well over 100 MB
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+before = rss()
+a, b = ortfx.ORTModule(model()), ortfx.ORTModule(model())
+for m in (a, b):
+    m(x).square().sum().backward()
+    with torch.no_grad():
+        m.eval()(x)
+grown = rss()
+del a
+gc.collect()
+print("one left", len(shrunk))
+del m, b
+gc.collect()
+import time
+for _ in range(200):  # the shrink runs on a thread of its own, right after the collection
+    if shrunk:
+        break
+    time.sleep(0.05)
+print("none left", len(shrunk), grown - before, rss() - before)
+"""
+
+
+def test_the_shared_arena_gives_memory_back_when_the_last_model_is_gone() -> None:
+    one_left, none_left = _run_script(_ARENA_RETURNED)[-2:]
+    assert one_left == "one left 0"  # b's sessions still use the arena: nothing shrunk
+    _, _, count, grown, kept = none_left.split()
+    assert count == "1"
+    assert int(grown) > 100, none_left
+    assert int(kept) < int(grown) // 2, none_left  # most of what the steps took came back

@@ -12,7 +12,6 @@ import os
 import re
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +40,7 @@ from ortfx.errors import (
 from ortfx.export import engine_accumulates, pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
-from ortfx.runtime import events, memgrad, openmp, pythonop
+from ortfx.runtime import arena, events, memgrad, openmp, pythonop
 
 
 class _WithoutFrontEnd(importlib.abc.MetaPathFinder):
@@ -203,29 +202,6 @@ def _session(
         raise OrtfxInitError(SESSION_FAILED.format(kind=kind, error=first, device=device)) from e
 
 
-_SHARED_ARENA_LOCK = threading.Lock()
-_shared_arena: list[bool] = []  # [True] once registered in this process
-
-
-def _register_shared_cpu_arena() -> None:
-    """One CPU arena in ORT's environment for all of ortfx's CPU sessions, instead of one per
-    session: the training session's free blocks then serve an eval session's run too (GPT-2-like
-    model with validation between steps: 95 MB less resident; performance.md, 2026-11-26).
-    ORT's default arena settings. One already registered (by the user's code) serves instead."""
-    with _SHARED_ARENA_LOCK:
-        if _shared_arena:
-            return
-        info = ort.OrtMemoryInfo(
-            "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
-        )
-        try:
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))
-        except RuntimeError as e:
-            if "already been registered" not in str(e):
-                raise
-        _shared_arena.append(True)
-
-
 def session_options(
     options: Options,
     *,
@@ -236,8 +212,7 @@ def session_options(
 ) -> Any:
     so = ort.SessionOptions()
     if shared_arena and options.cpu_mem_arena:
-        _register_shared_cpu_arena()
-        so.add_session_config_entry("session.use_env_allocators", "1")
+        arena.use(so, ort)  # one CPU arena for all of ortfx's sessions (runtime/arena.py)
     if not graph_optimizations:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     # Training: ORT would otherwise reuse a forward output's buffer during backward and silently
@@ -524,9 +499,11 @@ def _open(
         so.add_session_config_entry("optimization.enable_memory_probe_recompute_config", probe)
         so.execution_order = ort.ExecutionOrder.MEMORY_EFFICIENT
     try:
-        return _session(
+        session = _session(
             model, so, providers, kind="training" if training else "inference", device=device
         )
+        arena.track(session, so, ort)
+        return session
     finally:
         if plan_file is not None:
             os.unlink(plan_file.name)
@@ -741,13 +718,16 @@ def _builder_optimized_is_enough(
     info: PostExportProcessedModelInfo,
     device: torch.device,
     memory: tuple[str, tuple[str, ...]] | None,
+    probe: bool,
 ) -> bool:
     """Whether the session may skip ORT's graph optimizations: the gradient builder has already
     run the training transformers, and on CPU the session's own passes bought no step time but
     cost 0.1 s of session creation (GPT-2-like model; bench.session_settings, docs/performance).
-    Kept where they do work: the memory optimizer's plans (recompute) and memory-efficient
-    gradients (the buffers handed to torch without a copy), and on other devices (untested)."""
-    return device.type == "cpu" and memory is None and not info.fed_params
+    Kept where they do work: the memory optimizer's plans (recompute), and the sessions that
+    discover them (``probe``: plan names follow the fused ops, so discovery must see the graph
+    the plans are applied to), memory-efficient gradients (the buffers handed to torch without
+    a copy), and on other devices (untested)."""
+    return device.type == "cpu" and memory is None and not probe and not info.fed_params
 
 
 def open_training(
@@ -759,10 +739,12 @@ def open_training(
     save_prefix: str | None = None,
     memory: tuple[str, tuple[str, ...]] | None = None,
     mode: str = "training",
+    probe: bool = False,
 ) -> TrainingRunner:
     """Build ``info``'s gradient graph and open a training session over it.
 
-    ``memory`` is (probe config, plan strings) to turn the memory optimizer on. Saved files are
+    ``memory`` is (probe config, plan strings) to turn the memory optimizer on; ``probe`` says
+    the session serves the discovery of those plans. Saved files are
     named by ``mode``, the export mode ("training", or "inference" for an eval-mode graph).
     """
     require_ort()
@@ -817,7 +799,7 @@ def open_training(
             deterministic=deterministic,
             optimized_path=executed,
             memory=memory,
-            graph_optimizations=not _builder_optimized_is_enough(info, device, memory),
+            graph_optimizations=not _builder_optimized_is_enough(info, device, memory, probe),
         )
         owned = _owned_gradients(executed) if info.fed_params else frozenset()
     feeds = [*gi.user_input_names, *gi.initializer_names]

@@ -1072,6 +1072,7 @@ def _with_training_runner(
                 save_prefix=prefix,
                 memory=None if plans_on is None else (probe, plans_on),
                 mode="training" if call.key.training else "inference",
+                probe=bool(level or plans),
             )
 
     runner = build(None, "1:0")
@@ -1154,6 +1155,7 @@ def memory_report(shell: Shell) -> tuple[tuple[MemoryPlan, ...], Shell]:
             torch.device(entry.session.device),
             shell.options,
             deterministic=entry.session.deterministic,
+            probe=True,
         )
         report = memory.report(probe.memory_stat("1:0"), (), dict(compiled.dims))
         state = replace_payload(shell.state, entry.key, attrs.evolve(compiled, memory=report))
