@@ -85,6 +85,14 @@ GRADIENT_HOOK_IN_FORWARD = (
     "gradient as a custom torch.autograd.Function (ortfx runs it inside the graph with its "
     "backward), or run the module in PyTorch (the default fallback policy does)."
 )
+INTERMEDIATE_REQUIRES_GRAD = (
+    "the forward of {module} reads requires_grad of a tensor it computed ({where}); ortfx "
+    "traces the forward without autograd, where that is False, while in PyTorch it is True "
+    "for anything computed from a tensor that requires grad, so the graph could take another "
+    "branch than PyTorch. Read requires_grad of the module's inputs or parameters, or "
+    "torch.is_grad_enabled(), instead, or run the module in PyTorch (the default fallback "
+    "policy does)."
+)
 CUSTOM_FUNCTIONS_DISABLED = (
     "the module calls the custom torch.autograd.Function(s) {names}, and custom Functions are "
     "turned off (Options(enable_custom_autograd_function=False) or "
@@ -158,6 +166,9 @@ class Exported:
     # The module asked torch.is_grad_enabled() while traced: its graph can depend on grad mode
     # (transformers' checkpointed layers take the checkpoint branch only with grad enabled).
     reads_grad_mode: bool = False
+    # The forward read requires_grad of an input or a parameter while traced: its graph can
+    # depend on which of them require grad.
+    reads_grad_flags: bool = False
     # The user's own code turned a tensor (often a size) into a Python number while traced.
     numbers_from_tensors: bool = False
 
@@ -301,6 +312,61 @@ def grad_mode_as_called(enabled: bool, region: _NoGradRegion | None = None) -> I
             torch.is_grad_enabled = real
             if active[0] and region is not None:
                 region.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+@attrs.define
+class GradFlagReads:
+    """What the forward read of ``requires_grad`` while traced (:func:`grad_flags_watched`)."""
+
+    leaves: bool = False  # of an input or a parameter: the graph depends on the flags
+    intermediate: str = ""  # file:line of the first read of a computed tensor, from user code
+
+
+_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+
+
+@contextlib.contextmanager
+def grad_flags_watched(
+    grad_enabled: bool, leaves: Sequence[torch.Tensor]
+) -> Iterator[GradFlagReads]:
+    """Watch reads of ``Tensor.requires_grad`` on the exporting thread.
+
+    Inputs (the traced clones carry the caller's flags) and parameters answer as in eager, but
+    the graph then depends on those flags: the entry must not serve calls with other flags.
+    A tensor the forward computed answers False under the export's ``no_grad``, where eager
+    answers True for anything computed from a tensor that requires grad: for a call with grad
+    enabled, such a read from the user's own code (not an installed library's, where torch
+    reads flags for its bookkeeping) is recorded, and the export refused. A shadowing property
+    on ``torch.Tensor`` for the export's duration; other threads get the plain answer."""
+    reads = GradFlagReads()
+    known = {id(t) for t in leaves}
+    exporting = threading.get_ident()
+
+    def get(self: torch.Tensor) -> bool:
+        value: bool = _REQUIRES_GRAD.__get__(self)
+        if threading.get_ident() != exporting:
+            return value
+        caller = sys._getframe(1)
+        if caller.f_globals.get("__name__", "").startswith((*_TORCH_MACHINERY, "ortfx.")):
+            return value  # the exporter's, autograd's and ortfx's bookkeeping, not the model's
+        if id(self) in known or isinstance(self, torch.nn.Parameter):
+            reads.leaves = True
+        elif grad_enabled and not value and not reads.intermediate:
+            filename = caller.f_code.co_filename
+            if not any(lib in filename for lib in _LIBRARIES) and (
+                self.is_floating_point() or self.is_complex()
+            ):
+                reads.intermediate = f"{os.path.basename(filename)}:{caller.f_lineno}"
+        return value
+
+    def put(self: torch.Tensor, value: bool) -> None:
+        _REQUIRES_GRAD.__set__(self, value)
+
+    torch.Tensor.requires_grad = property(get, put)  # type: ignore[assignment]
+    try:
+        yield reads
+    finally:
+        del torch.Tensor.requires_grad
 
 
 @contextlib.contextmanager
@@ -920,6 +986,15 @@ def raise_if_pytorch_raises(
         raise eager.with_traceback(eager.__traceback__) from None
 
 
+def _with_flag(clone: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """The caller's ``requires_grad`` on the traced clone of an input: a forward that reads
+    ``x.requires_grad`` takes the branch eager takes (a leaf keeps its flag under the export's
+    ``no_grad``; the ops on it still record no backward)."""
+    if requires_grad and (clone.is_floating_point() or clone.is_complex()):
+        clone.requires_grad_(True)
+    return clone
+
+
 def export(
     module: torch.nn.Module,
     leaves: Sequence[Any],
@@ -948,7 +1023,9 @@ def export(
     input_names = [graph_name(schema.paths[i], taken) for i in positions]
     # Clones: the forward may change its inputs in place, and export must not touch the
     # caller's tensors (the graph's run does, as PyTorch would).
-    tensors = tuple(leaves[i].detach().clone() for i in positions)
+    tensors = tuple(
+        _with_flag(leaves[i].detach().clone(), schema.requires_grad[i]) for i in positions
+    )
     flat = _FlatCall(module, leaves, schema)
     exporter = _export_torchscript if options.exporter == "torchscript" else _export_dynamo
     traced = checkpoints_traced_directly(module)
@@ -970,6 +1047,7 @@ def export(
             traced as calls,
             functions_called(profile=dynamo) as functions,
             gradient_hooks_watched(grad_enabled) as hooks,
+            grad_flags_watched(grad_enabled, (*tensors, *module.buffers())) as flags,
         ):
             retry = False
             try:
@@ -993,6 +1071,12 @@ def export(
             if hooks:  # only recorded for calls with grad
                 raise OrtfxExportError(
                     GRADIENT_HOOK_IN_FORWARD.format(module=type(module).__name__, where=hooks[0])
+                )
+            if flags.intermediate:  # only recorded for calls with grad
+                raise OrtfxExportError(
+                    INTERMEDIATE_REQUIRES_GRAD.format(
+                        module=type(module).__name__, where=flags.intermediate
+                    )
                 )
             if functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(CUSTOM_FUNCTIONS_DISABLED.format(names=_names(functions)))
@@ -1070,6 +1154,7 @@ def export(
         flat.tracer_warnings,
         tuple(sorted(functions)),
         reads_grad_mode=asked[0] > 0,
+        reads_grad_flags=flags.leaves,
         numbers_from_tensors=flat.numbers_from_tensors,
     )
 

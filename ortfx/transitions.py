@@ -56,6 +56,9 @@ class ExportKey:
     # None: the graph does not depend on grad mode. Else the grad mode it was traced for: the
     # module asked torch.is_grad_enabled() while traced (see :func:`resolve`).
     grad_mode: bool | None = None
+    # None: the graph does not depend on requires_grad flags. Else the (inputs, parameters)
+    # flags it was traced for: the forward read requires_grad of an input or a parameter.
+    grad_flags: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None
     # Submodules whose train/eval flag differs from the root's ``training`` (a frozen
     # BatchNorm: ``model.bn.eval()``), by name: the trace follows each module's own flag.
     other_mode: tuple[str, ...] = ()
@@ -292,6 +295,15 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
                 "torch.set_default_dtype changes the tensors the forward creates",
             )
         )
+    if None not in (seen.grad_flags, given.grad_flags) and seen.grad_flags != given.grad_flags:
+        reasons.append(
+            Reason(
+                "requires_grad flags",
+                _flag_text(seen.grad_flags),
+                _flag_text(given.grad_flags),
+                "the forward reads requires_grad of its inputs or parameters",
+            )
+        )
     if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
         grad = {True: "enabled", False: "disabled"}
         reasons.append(
@@ -391,11 +403,24 @@ def explain_session(seen: SessionKey, given: SessionKey) -> tuple[Reason, ...]:
     return tuple(reasons)
 
 
+def _flag_text(flags: tuple[tuple[bool, ...], tuple[bool, ...]] | None) -> str:
+    inputs, params = flags or ((), ())
+    return f"inputs {sum(inputs)}/{len(inputs)}, parameters {sum(params)}/{len(params)}"
+
+
 def _as_seen_by(entry: ExportKey, call: Call) -> ExportKey:
-    """The call's key as an entry traced for one grad mode compares it."""
-    return (
-        call.key if entry.grad_mode is None else attrs.evolve(call.key, grad_mode=call.grad_enabled)
-    )
+    """The call's key as an entry traced for one grad mode, or for given requires_grad flags,
+    compares it."""
+    key = call.key
+    if entry.grad_mode is not None:
+        key = attrs.evolve(key, grad_mode=call.grad_enabled)
+    if entry.grad_flags is not None:
+        key = attrs.evolve(key, grad_flags=_flags(call))
+    return key
+
+
+def _flags(call: Call) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    return (call.grad.inputs, call.grad.params)
 
 
 def _closest(entries: tuple[Entry[P], ...], call: Call) -> Entry[P] | None:
@@ -424,13 +449,24 @@ def resolve(state: ExportState[P], call: Call) -> Call:
     if state.lookup(call.key) is not None:
         return call
     moded = attrs.evolve(call.key, grad_mode=call.grad_enabled)
-    return attrs.evolve(call, key=moded) if state.lookup(moded) is not None else call
+    flagged = attrs.evolve(call.key, grad_flags=_flags(call))
+    both = attrs.evolve(moded, grad_flags=_flags(call))
+    for key in (moded, flagged, both):
+        if state.lookup(key) is not None:
+            return attrs.evolve(call, key=key)
+    return call
 
 
 def traced_for_grad_mode(call: Call) -> Call:
     """``call`` once its export turned out to depend on grad mode: its entry serves only
     calls made in the same mode."""
     return attrs.evolve(call, key=attrs.evolve(call.key, grad_mode=call.grad_enabled))
+
+
+def traced_for_grad_flags(call: Call) -> Call:
+    """``call`` once its export turned out to read requires_grad of inputs or parameters: its
+    entry serves only calls with the same flags (others export again)."""
+    return attrs.evolve(call, key=attrs.evolve(call.key, grad_flags=_flags(call)))
 
 
 def decide(state: ExportState[P], call: Call) -> Decision:

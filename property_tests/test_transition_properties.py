@@ -28,6 +28,7 @@ from ortfx.transitions import (
     bump_module_version,
     decide,
     resolve,
+    traced_for_grad_flags,
     traced_for_grad_mode,
 )
 
@@ -156,6 +157,42 @@ def test_grad_mode_entries_serve_only_their_mode(history: list[Any]) -> None:
         assert entry is not None
         if entry.key.grad_mode is not None and state.lookup(other.key) is not None:
             assert state.lookup(other.key) is not entry  # the other mode never shares it
+
+
+@given(
+    st.lists(
+        st.tuples(call_args, st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=12
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_grad_flag_entries_serve_only_their_flags(history: list[Any]) -> None:
+    """Calls with changing requires_grad flags (and grad modes), some of whose exports read the
+    flags: an entry traced for flags is reused only by calls with those flags (others export:
+    the branch the forward took may differ), one that did not read them by every call, where a
+    change of flags re-processes; resolving, deciding and applying again is always a Reuse."""
+    state: ExportState[str] = ExportState(maxsize=16)
+    for args, grad_enabled, reads_flags, reads_mode in history:
+        call = resolve(state, attrs.evolve(make_call(*args), grad_enabled=grad_enabled))
+        flags = (call.grad.inputs, call.grad.params)
+        decision = decide(state, call)
+        if not isinstance(decision, Reexport):
+            assert call.key.grad_flags in (None, flags)
+        if isinstance(decision, Reexport):
+            if reads_flags:
+                call = traced_for_grad_flags(call)
+            if reads_mode:
+                call = traced_for_grad_mode(call)
+        state = apply(state, call, decision, "payload")
+        again = resolve(state, attrs.evolve(make_call(*args), grad_enabled=grad_enabled))
+        assert decide(state, again) == Reuse()
+        entry = state.lookup(again.key)
+        assert entry is not None
+        flipped = make_call(*args[:4], (not args[4][0], args[4][1]), *args[5:])
+        other = resolve(state, attrs.evolve(flipped, grad_enabled=grad_enabled))
+        if entry.key.grad_flags is not None:
+            assert state.lookup(other.key) is not entry  # other flags never share it
+        else:
+            assert isinstance(decide(state, other), Reprocess | Reuse | NewSession)
 
 
 class TransitionMachine(RuleBasedStateMachine):

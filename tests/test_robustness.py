@@ -378,3 +378,84 @@ def test_gradient_hooks_registered_in_the_forward_are_never_dropped_silently() -
     plain = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
     with torch.no_grad(), pytest.raises(RuntimeError, match="cannot register a hook"):
         plain(x)
+
+
+class ReadsFlags(nn.Module):
+    """Branches on requires_grad of its input and of a parameter (both answer as in eager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = 2.0 if x.requires_grad else 3.0
+        b = 5.0 if self.lin.bias.requires_grad else 7.0
+        return self.lin(x) * a * b
+
+
+def test_a_forward_reading_requires_grad_of_inputs_or_parameters_follows_every_flip(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The traced clones carry the caller's flags, and a graph that read flags serves only calls
+    with the same ones (it used to be re-processed, keeping the branch of the first call):
+    outputs and gradients equal eager's (1e-5, values near 10) through input and parameter flips, one export
+    per flag set, and the earlier graph is reused when its flags come back."""
+    torch.manual_seed(0)
+    eager = ReadsFlags()
+    info = ortfx.DebugOptions(log_level=ortfx.LogLevel.INFO)
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager), info, options=STRICT)
+    exports = []
+    with caplog.at_level(logging.INFO, logger="ortfx"):
+        for step, input_grad in enumerate((True, False, True, True)):
+            if step == 3:
+                eager.lin.bias.requires_grad_(False)
+                wrapped.module.lin.bias.requires_grad_(False)
+            x = torch.randn(2, 4, requires_grad=input_grad)
+            y, z = eager(x), wrapped(x)
+            assert max_diff(y, z) <= 1e-5
+            y.sum().backward()
+            z.sum().backward()
+            assert max_diff(eager.lin.weight.grad, wrapped.module.lin.weight.grad) <= 1e-5
+            exports.append(ortfx.stats(wrapped).exports)
+    assert exports == [1, 2, 2, 3]
+    assert "reads requires_grad of its inputs or parameters while traced" in caplog.text
+    assert (
+        "re-export: requires_grad flags was inputs 1/1, parameters 2/2, now inputs 0/1, "
+        "parameters 2/2 (the forward reads requires_grad of its inputs or parameters)"
+    ) in caplog.text
+
+
+class ReadsComputedFlag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * (5.0 if h.requires_grad else 7.0)
+
+
+def test_a_forward_reading_requires_grad_of_a_computed_tensor_is_never_silently_wrong() -> None:
+    """Under the export's no_grad a computed tensor answers False where eager answers True:
+    with grad, strict raises a typed export error naming the line, the default policy runs
+    PyTorch (outputs equal eager's); without grad (eager answers False too) ORT runs it."""
+    from ortfx.export import INTERMEDIATE_REQUIRES_GRAD
+
+    torch.manual_seed(0)
+    eager = ReadsComputedFlag()
+    x = torch.randn(2, 4)
+    line = inspect.getsourcelines(ReadsComputedFlag.forward)[1] + 2
+    strict = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    with pytest.raises(ortfx.OrtfxExportError) as info:
+        strict(x)
+    where = f"test_robustness.py:{line}"
+    assert str(info.value) == INTERMEDIATE_REQUIRES_GRAD.format(
+        module="ReadsComputedFlag", where=where
+    )
+    default = ortfx.ORTModule(copy.deepcopy(eager))
+    assert torch.equal(default(x), eager(x))
+    assert ortfx.stats(default).fallback_calls == 1
+    plain = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    with torch.no_grad():
+        assert max_diff(plain(x), eager(x)) <= 1e-5
+    assert ortfx.stats(plain).exports == 1

@@ -282,6 +282,15 @@ def grad_mode_traced(log: WrapperLog, enabled: bool) -> None:
     )
 
 
+def grad_flags_traced(log: WrapperLog) -> None:
+    """One line: this graph serves calls with the same requires_grad flags only."""
+    log.log(
+        logging.INFO,
+        "the forward reads requires_grad of its inputs or parameters while traced: this graph "
+        "serves calls with the same flags; a call with other flags exports its own",
+    )
+
+
 def memory_plans(
     log: WrapperLog,
     options: Options,

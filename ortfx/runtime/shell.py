@@ -99,6 +99,7 @@ from ortfx.transitions import (
     resolve,
     signature,
     start_fallback,
+    traced_for_grad_flags,
     traced_for_grad_mode,
 )
 
@@ -580,13 +581,16 @@ def realize(
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
-        info, timings, numbers, moded = _export(shell, module, call, leaves)
+        info, timings, numbers, moded, flagged = _export(shell, module, call, leaves)
         if numbers and _returns_numbers(info):
             pinned = _tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
         if moded:  # the module asked for grad mode: the entry serves calls in this mode only
             call = traced_for_grad_mode(call)
             logs.grad_mode_traced(shell.log, call.grad_enabled)
+        if flagged:  # it read requires_grad flags: the entry serves calls with these only
+            call = traced_for_grad_flags(call)
+            logs.grad_flags_traced(shell.log)
     else:
         entry = shell.state.lookup(call.key)
         assert entry is not None
@@ -648,9 +652,9 @@ def _refuse_layerdrop(module: torch.nn.Module) -> None:
 
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
-) -> tuple[PostExportProcessedModelInfo, Timings, bool, bool]:
+) -> tuple[PostExportProcessedModelInfo, Timings, bool, bool, bool]:
     """The processed graph, the export's timings, whether the trace turned tensors into Python
-    numbers, and whether it asked for grad mode."""
+    numbers, whether it asked for grad mode, and whether it read requires_grad flags."""
     from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
 
     log = shell.log
@@ -660,9 +664,9 @@ def _export(
     dynamic = frozenset(shell.options.dynamic_scalars)
     cached = _from_disk_cache(shell, module, call, padding, dynamic)
     if isinstance(cached, PostExportProcessedModelInfo):
-        # Entries whose trace turned tensors into Python values or asked for grad mode are
-        # never stored.
-        return cached, Timings(), False, False
+        # Entries whose trace turned tensors into Python values, asked for grad mode or read
+        # requires_grad flags are never stored.
+        return cached, Timings(), False, False, False
     # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with gathered_for_export(module):
@@ -714,7 +718,13 @@ def _export(
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
     logs.save_onnx(prefix, "post_processed", mode, info.model)
     timings = Timings(export=exported.seconds)
-    return info, timings, exported.numbers_from_tensors, exported.reads_grad_mode
+    return (
+        info,
+        timings,
+        exported.numbers_from_tensors,
+        exported.reads_grad_mode,
+        exported.reads_grad_flags,
+    )
 
 
 def _from_disk_cache(
@@ -767,6 +777,8 @@ def _to_disk_cache(
         if exported.numbers_from_tensors
         else "the module reads torch.is_grad_enabled(), so the graph depends on grad mode"
         if exported.reads_grad_mode
+        else "the forward reads requires_grad of its inputs or parameters"
+        if exported.reads_grad_flags
         else f"the tracer baked in a branch on tensor values ({branches[0]})"
         if branches
         else "the tracer baked in values while scalars are fed as tensors (dynamic_scalars)"
