@@ -86,12 +86,17 @@ GRADIENT_HOOK_IN_FORWARD = (
     "backward), or run the module in PyTorch (the default fallback policy does)."
 )
 INTERMEDIATE_REQUIRES_GRAD = (
-    "the forward of {module} reads requires_grad of a tensor it computed ({where}); ortfx "
-    "traces the forward without autograd, where that is False, while in PyTorch it is True "
-    "for anything computed from a tensor that requires grad, so the graph could take another "
-    "branch than PyTorch. Read requires_grad of the module's inputs or parameters, or "
-    "torch.is_grad_enabled(), instead, or run the module in PyTorch (the default fallback "
-    "policy does)."
+    "the forward of {module} reads {attribute} of {what} ({where}); ortfx traces "
+    "the forward without autograd, where it reads as for a tensor without gradient, while in "
+    "PyTorch it can say the tensor was computed from one that requires grad, so the graph "
+    "could take another branch than PyTorch. Read requires_grad of the module's inputs or "
+    "parameters, or torch.is_grad_enabled(), instead, or run the module in PyTorch (the "
+    "default fallback policy does)."
+)
+COMPUTED = "a tensor it computed"
+COMPUTED_OR_COPY = (
+    "a tensor it computed or an input (the dynamo exporter traces copies that do not say "
+    "whether the caller's tensors require grad)"
 )
 CUSTOM_FUNCTIONS_DISABLED = (
     "the module calls the custom torch.autograd.Function(s) {names}, and custom Functions are "
@@ -316,57 +321,87 @@ def grad_mode_as_called(enabled: bool, region: _NoGradRegion | None = None) -> I
 
 @attrs.define
 class GradFlagReads:
-    """What the forward read of ``requires_grad`` while traced (:func:`grad_flags_watched`)."""
+    """What the forward read of autograd attributes while traced (:func:`grad_flags_watched`)."""
 
-    leaves: bool = False  # of an input or a parameter: the graph depends on the flags
-    intermediate: str = ""  # file:line of the first read of a computed tensor, from user code
+    leaves: bool = False  # the graph depends on the call's requires_grad flags
+    mode: bool = False  # ... and on grad mode
+    intermediate: str = ""  # "attribute at file:line": a read the trace cannot answer as eager
 
 
-_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+_AUTOGRAD_ATTRIBUTES = ("requires_grad", "grad_fn", "is_leaf")
+_LIBRARY_MODULES = ("torch.", "ortfx.")
 
 
 @contextlib.contextmanager
 def grad_flags_watched(
-    grad_enabled: bool, leaves: Sequence[torch.Tensor]
+    grad_enabled: bool, any_grad: bool, leaves: Sequence[torch.Tensor], *, dynamo: bool = False
 ) -> Iterator[GradFlagReads]:
-    """Watch reads of ``Tensor.requires_grad`` on the exporting thread.
+    """Watch reads of ``requires_grad``, ``grad_fn`` and ``is_leaf`` on the exporting thread.
 
-    Inputs (the traced clones carry the caller's flags) and parameters answer as in eager, but
-    the graph then depends on those flags: the entry must not serve calls with other flags.
-    A tensor the forward computed answers False under the export's ``no_grad``, where eager
-    answers True for anything computed from a tensor that requires grad: for a call with grad
-    enabled, such a read from the user's own code (not an installed library's, where torch
-    reads flags for its bookkeeping) is recorded, and the export refused. A shadowing property
-    on ``torch.Tensor`` for the export's duration; other threads get the plain answer."""
+    The export runs under ``no_grad``, so a tensor the forward computes reads as one without
+    gradient; in eager, with grad enabled and some input or parameter requiring grad
+    (``any_grad``), it may not. Such a read from the user's own code (not torch's, ortfx's or
+    an installed library's, which read them for bookkeeping) is recorded and the export
+    refused. Otherwise the answer is eager's, but the graph depends on the flags and grad mode
+    it was traced with (``leaves``, ``mode``): the entry must not serve calls with others.
+    ``requires_grad`` of the inputs (traced clones carrying the caller's flags) and parameters
+    answers as in eager, wherever it is read. The dynamo exporter traces copies: there a True
+    answer marks a leaf, and a False one with ``any_grad`` cannot be trusted in either mode.
+    Shadowing properties on ``torch.Tensor`` for the export's duration; other threads get the
+    plain answer."""
     reads = GradFlagReads()
     known = {id(t) for t in leaves}
     exporting = threading.get_ident()
+    # A False answer may not be eager's: with grad (computed tensors), and with the dynamo
+    # exporter in any mode (its copies of inputs and parameters all read False).
+    unsure = any_grad and (grad_enabled or dynamo)
 
-    def get(self: torch.Tensor) -> bool:
-        value: bool = _REQUIRES_GRAD.__get__(self)
-        if threading.get_ident() != exporting:
-            return value
-        caller = sys._getframe(1)
-        if caller.f_globals.get("__name__", "").startswith((*_TORCH_MACHINERY, "ortfx.")):
-            return value  # the exporter's, autograd's and ortfx's bookkeeping, not the model's
-        if id(self) in known or isinstance(self, torch.nn.Parameter):
-            reads.leaves = True
-        elif grad_enabled and not value and not reads.intermediate:
-            filename = caller.f_code.co_filename
-            if not any(lib in filename for lib in _LIBRARIES) and (
-                self.is_floating_point() or self.is_complex()
+    def watcher(name: str) -> property:
+        descriptor = torch._C.TensorBase.__dict__[name]
+
+        def get(self: torch.Tensor) -> Any:
+            value = descriptor.__get__(self)
+            if threading.get_ident() != exporting:
+                return value
+            caller = sys._getframe(1)
+            module = caller.f_globals.get("__name__", "")
+            if module.startswith((*_TORCH_MACHINERY, "ortfx.")):
+                return value  # the exporter's, autograd's and ortfx's bookkeeping
+            flag = name == "requires_grad"
+            if flag and (
+                id(self) in known or isinstance(self, torch.nn.Parameter) or (dynamo and value)
             ):
-                reads.intermediate = f"{os.path.basename(filename)}:{caller.f_lineno}"
-        return value
+                reads.leaves = True  # answers as in eager, for these flags
+                return value
+            if not (self.is_floating_point() or self.is_complex()):
+                return value  # never requires grad, in eager either
+            filename = caller.f_code.co_filename
+            library = module.startswith(_LIBRARY_MODULES) or any(
+                lib in filename for lib in _LIBRARIES
+            )
+            if not unsure:  # eager reads it so too: for these flags and this grad mode
+                reads.leaves = reads.mode = True
+            elif not library and not reads.intermediate:
+                where = f"{os.path.basename(filename)}:{caller.f_lineno}"
+                reads.intermediate = f"{name} at {where}"
+            return value
 
-    def put(self: torch.Tensor, value: bool) -> None:
-        _REQUIRES_GRAD.__set__(self, value)
+        def put(self: torch.Tensor, value: Any) -> None:
+            descriptor.__set__(self, value)
 
-    torch.Tensor.requires_grad = property(get, put)  # type: ignore[assignment]
+        return property(get, put)
+
+    saved = {name: torch.Tensor.__dict__.get(name) for name in _AUTOGRAD_ATTRIBUTES}
+    for name in _AUTOGRAD_ATTRIBUTES:
+        setattr(torch.Tensor, name, watcher(name))
     try:
         yield reads
     finally:
-        del torch.Tensor.requires_grad
+        for name, before in saved.items():
+            if before is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, before)
 
 
 @contextlib.contextmanager
@@ -1047,7 +1082,13 @@ def export(
             traced as calls,
             functions_called(profile=dynamo) as functions,
             gradient_hooks_watched(grad_enabled) as hooks,
-            grad_flags_watched(grad_enabled, (*tensors, *module.buffers())) as flags,
+            grad_flags_watched(
+                grad_enabled,
+                any(schema.requires_grad[i] for i in positions)
+                or any(p.requires_grad for p in module.parameters()),
+                (*tensors, *module.buffers()),
+                dynamo=dynamo,
+            ) as flags,
         ):
             retry = False
             try:
@@ -1072,10 +1113,14 @@ def export(
                 raise OrtfxExportError(
                     GRADIENT_HOOK_IN_FORWARD.format(module=type(module).__name__, where=hooks[0])
                 )
-            if flags.intermediate:  # only recorded for calls with grad
+            if flags.intermediate:  # with grad (or any mode under dynamo) and a flag set
+                attribute, where = flags.intermediate.split(" at ")
                 raise OrtfxExportError(
                     INTERMEDIATE_REQUIRES_GRAD.format(
-                        module=type(module).__name__, where=flags.intermediate
+                        module=type(module).__name__,
+                        attribute=attribute,
+                        where=where,
+                        what=COMPUTED_OR_COPY if dynamo else COMPUTED,
                     )
                 )
             if functions and not options.enable_custom_autograd_function:
@@ -1153,7 +1198,7 @@ def export(
         calls[0],
         flat.tracer_warnings,
         tuple(sorted(functions)),
-        reads_grad_mode=asked[0] > 0,
+        reads_grad_mode=asked[0] > 0 or flags.mode,
         reads_grad_flags=flags.leaves,
         numbers_from_tensors=flat.numbers_from_tensors,
     )

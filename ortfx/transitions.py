@@ -404,8 +404,15 @@ def explain_session(seen: SessionKey, given: SessionKey) -> tuple[Reason, ...]:
 
 
 def _flag_text(flags: tuple[tuple[bool, ...], tuple[bool, ...]] | None) -> str:
+    """Which inputs and parameters require grad, in order (1 = requires grad); counts when long."""
     inputs, params = flags or ((), ())
-    return f"inputs {sum(inputs)}/{len(inputs)}, parameters {sum(params)}/{len(params)}"
+
+    def bits(values: tuple[bool, ...]) -> str:
+        if len(values) > 32:
+            return f"{sum(values)} of {len(values)}"
+        return "".join("1" if v else "0" for v in values) or "none"
+
+    return f"inputs {bits(inputs)}, parameters {bits(params)}"
 
 
 def _as_seen_by(entry: ExportKey, call: Call) -> ExportKey:
