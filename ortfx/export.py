@@ -94,6 +94,10 @@ INTERMEDIATE_REQUIRES_GRAD = (
     "default fallback policy does)."
 )
 COMPUTED = "a tensor it computed"
+AN_INPUT = (
+    "an input (whether the caller's tensor is a leaf, or has a grad_fn, is not part of what "
+    "ortfx keys its graphs on)"
+)
 COMPUTED_OR_COPY = (
     "a tensor it computed or an input (the dynamo exporter traces copies that do not say "
     "whether the caller's tensors require grad)"
@@ -325,36 +329,56 @@ class GradFlagReads:
 
     leaves: bool = False  # the graph depends on the call's requires_grad flags
     mode: bool = False  # ... and on grad mode
-    intermediate: str = ""  # "attribute at file:line": a read the trace cannot answer as eager
+    # (attribute, file:line, what was read): a read the trace cannot answer as eager
+    refused: tuple[str, str, str] | None = None
 
 
 _AUTOGRAD_ATTRIBUTES = ("requires_grad", "grad_fn", "is_leaf")
-_LIBRARY_MODULES = ("torch.", "ortfx.")
+# Code whose reads are bookkeeping, not the model's branches (checked by module name).
+_TRUSTED_MODULES = ("torch.", "ortfx.")
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 
 
 @contextlib.contextmanager
 def grad_flags_watched(
-    grad_enabled: bool, any_grad: bool, leaves: Sequence[torch.Tensor], *, dynamo: bool = False
+    grad_enabled: bool,
+    any_grad: bool,
+    inputs: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    *,
+    dynamo: bool = False,
 ) -> Iterator[GradFlagReads]:
     """Watch reads of ``requires_grad``, ``grad_fn`` and ``is_leaf`` on the exporting thread.
 
     The export runs under ``no_grad``, so a tensor the forward computes reads as one without
-    gradient; in eager, with grad enabled and some input or parameter requiring grad
-    (``any_grad``), it may not. Such a read from the user's own code (not torch's, ortfx's or
-    an installed library's, which read them for bookkeeping) is recorded and the export
-    refused. Otherwise the answer is eager's, but the graph depends on the flags and grad mode
-    it was traced with (``leaves``, ``mode``): the entry must not serve calls with others.
-    ``requires_grad`` of the inputs (traced clones carrying the caller's flags) and parameters
-    answers as in eager, wherever it is read. The dynamo exporter traces copies: there a True
-    answer marks a leaf, and a False one with ``any_grad`` cannot be trusted in either mode.
-    Shadowing properties on ``torch.Tensor`` for the export's duration; other threads get the
-    plain answer."""
+    gradient; in eager, with grad enabled and some input, parameter or buffer requiring grad
+    (``any_grad``, or a tensor the forward itself makes require grad), it may not. Such a read
+    from code outside torch and ortfx (which read them for bookkeeping) is recorded and the
+    export refused. Otherwise the answer is eager's, but the graph depends on the flags and grad
+    mode it was traced with (``leaves``, ``mode``): the entry must not serve calls with others.
+    ``requires_grad`` of the inputs (traced clones carrying the caller's flags), buffers and
+    parameters answers as in eager, wherever it is read; ``is_leaf`` and ``grad_fn`` of an input
+    depend on how the caller made it, which no key holds: refused. The dynamo exporter traces
+    copies: there a True answer marks a leaf, and a False one cannot be trusted when a flag is
+    set, in either mode. Shadowing attributes on ``torch.Tensor`` for the export's duration;
+    other threads get the plain answer."""
     reads = GradFlagReads()
-    known = {id(t) for t in leaves}
+    given = {id(t) for t in inputs}
+    known = given | {id(t) for t in buffers}
     exporting = threading.get_ident()
     # A False answer may not be eager's: with grad (computed tensors), and with the dynamo
     # exporter in any mode (its copies of inputs and parameters all read False).
-    unsure = any_grad and (grad_enabled or dynamo)
+    unsure = [any_grad and (grad_enabled or dynamo)]
+
+    def refuse(name: str, caller: Any, what: str) -> None:
+        if reads.refused is None:
+            where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+            reads.refused = (name, where, what)
+
+    def made_to_require_grad() -> None:
+        # The forward makes a tensor require grad: what it computes from it would in eager.
+        reads.leaves = reads.mode = True
+        unsure[0] = unsure[0] or grad_enabled or dynamo
 
     def watcher(name: str) -> property:
         descriptor = torch._C.TensorBase.__dict__[name]
@@ -365,35 +389,41 @@ def grad_flags_watched(
                 return value
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "")
-            if module.startswith((*_TORCH_MACHINERY, "ortfx.")):
-                return value  # the exporter's, autograd's and ortfx's bookkeeping
-            flag = name == "requires_grad"
-            if flag and (
+            if module.startswith((*_TORCH_MACHINERY, *_TRUSTED_MODULES)):
+                return value  # the exporter's, autograd's, torch's and ortfx's bookkeeping
+            if name != "requires_grad" and id(self) in given:
+                refuse(name, caller, AN_INPUT)
+                return value
+            if name == "requires_grad" and (
                 id(self) in known or isinstance(self, torch.nn.Parameter) or (dynamo and value)
             ):
                 reads.leaves = True  # answers as in eager, for these flags
                 return value
             if not (self.is_floating_point() or self.is_complex()):
                 return value  # never requires grad, in eager either
-            filename = caller.f_code.co_filename
-            library = module.startswith(_LIBRARY_MODULES) or any(
-                lib in filename for lib in _LIBRARIES
-            )
-            if not unsure:  # eager reads it so too: for these flags and this grad mode
+            if unsure[0]:
+                refuse(name, caller, COMPUTED_OR_COPY if dynamo else COMPUTED)
+            else:  # eager reads it so too: for these flags and this grad mode
                 reads.leaves = reads.mode = True
-            elif not library and not reads.intermediate:
-                where = f"{os.path.basename(filename)}:{caller.f_lineno}"
-                reads.intermediate = f"{name} at {where}"
             return value
 
         def put(self: torch.Tensor, value: Any) -> None:
+            if value and name == "requires_grad" and threading.get_ident() == exporting:
+                made_to_require_grad()
             descriptor.__set__(self, value)
 
         return property(get, put)
 
-    saved = {name: torch.Tensor.__dict__.get(name) for name in _AUTOGRAD_ATTRIBUTES}
+    def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+        if requires_grad and threading.get_ident() == exporting:
+            made_to_require_grad()
+        return _REQUIRES_GRAD_(self, requires_grad)
+
+    names = (*_AUTOGRAD_ATTRIBUTES, "requires_grad_")
+    saved = {name: torch.Tensor.__dict__.get(name) for name in names}
     for name in _AUTOGRAD_ATTRIBUTES:
         setattr(torch.Tensor, name, watcher(name))
+    torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign,assignment]
     try:
         yield reads
     finally:
@@ -1085,8 +1115,9 @@ def export(
             grad_flags_watched(
                 grad_enabled,
                 any(schema.requires_grad[i] for i in positions)
-                or any(p.requires_grad for p in module.parameters()),
-                (*tensors, *module.buffers()),
+                or any(t.requires_grad for t in (*module.parameters(), *module.buffers())),
+                tensors,
+                tuple(module.buffers()),
                 dynamo=dynamo,
             ) as flags,
         ):
@@ -1113,14 +1144,11 @@ def export(
                 raise OrtfxExportError(
                     GRADIENT_HOOK_IN_FORWARD.format(module=type(module).__name__, where=hooks[0])
                 )
-            if flags.intermediate:  # with grad (or any mode under dynamo) and a flag set
-                attribute, where = flags.intermediate.split(" at ")
+            if flags.refused is not None:
+                attribute, where, what = flags.refused
                 raise OrtfxExportError(
                     INTERMEDIATE_REQUIRES_GRAD.format(
-                        module=type(module).__name__,
-                        attribute=attribute,
-                        where=where,
-                        what=COMPUTED_OR_COPY if dynamo else COMPUTED,
+                        module=type(module).__name__, attribute=attribute, where=where, what=what
                     )
                 )
             if functions and not options.enable_custom_autograd_function:

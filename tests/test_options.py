@@ -563,3 +563,31 @@ def test_the_shared_arena_gives_memory_back_when_the_last_model_is_gone() -> Non
     assert count == "1"
     assert int(grown) > 100, none_left
     assert int(kept) < int(grown) // 2, none_left  # most of what the steps took came back
+
+
+_FORK_WHILE_LOCKED = """
+import os
+import threading
+import ortfx
+from ortfx.runtime import arena
+
+held, release = threading.Event(), threading.Event()
+def hold():
+    with arena._lock:
+        held.set()
+        release.wait()
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if arena._lock.acquire(timeout=5) and arena._live == 0 else 1)
+_, status = os.waitpid(pid, 0)
+release.set()
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_does_not_inherit_the_arenas_lock_held() -> None:
+    """A DataLoader worker forked while another thread holds the arena's lock (a shrink) would
+    hang on its first session; the child gets a fresh lock and count."""
+    assert _run_script(_FORK_WHILE_LOCKED)[-1] == "child 0"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import pathlib
 import subprocess
 import sys
 
@@ -497,3 +498,91 @@ def test_autograd_attributes_read_in_the_forward_match_eager_through_flips(expor
     wrapped.module.requires_grad_(True)
     assert max_diff(wrapped(x), frozen(x)) <= 1e-5  # eager reads True now: refused, PyTorch
     assert ortfx.stats(wrapped).fallback_calls == 1
+
+
+class ReadsInputLeaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2.0 if x.is_leaf else 3.0)
+
+
+class ReadsBufferDerived(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale
+        return h * (2.0 if h.requires_grad else 3.0)
+
+
+class MakesRequireGrad(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x * 1).requires_grad_()
+        g = h * 2
+        return g * (2.0 if g.requires_grad else 3.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "input_grad", "what"),
+    [
+        (ReadsInputLeaf, True, "AN_INPUT"),  # the caller passes a non-leaf
+        (ReadsBufferDerived, False, "COMPUTED"),  # a buffer requires grad
+        (MakesRequireGrad, False, "COMPUTED"),  # the forward makes a tensor require grad
+    ],
+)
+def test_autograd_reads_the_trace_cannot_answer_are_refused(
+    model: type[nn.Module], input_grad: bool, what: str
+) -> None:
+    """Strict: a typed export error naming the attribute, line and kind of tensor; the default
+    policy: PyTorch runs the module and the outputs equal eager's."""
+    from ortfx import export
+
+    torch.manual_seed(0)
+    eager = model()
+    base = torch.randn(2, 4, requires_grad=input_grad)
+    x = base * 1 if input_grad else base  # a non-leaf when it requires grad
+    strict = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    with pytest.raises(ortfx.OrtfxExportError, match=r"reads (is_leaf|requires_grad) of ") as info:
+        strict(x)
+    assert getattr(export, what) in str(info.value)
+    default = ortfx.ORTModule(copy.deepcopy(eager))
+    assert torch.equal(default(x), eager(x))
+    assert ortfx.stats(default).fallback_calls == 1
+
+
+_INSTALLED_MODEL = """
+import torch
+from torch import nn
+
+
+class Installed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * (2.0 if h.requires_grad else 3.0)
+"""
+
+
+def test_a_model_installed_as_a_package_is_checked_too(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only torch and ortfx count as bookkeeping: a model under site-packages (transformers,
+    the user's own package) reading a computed tensor's flag is refused like any other."""
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    (packages / "ortfx_installed_model.py").write_text(_INSTALLED_MODEL)
+    monkeypatch.syspath_prepend(str(packages))
+    from ortfx_installed_model import Installed  # type: ignore[import-not-found]
+
+    torch.manual_seed(0)
+    eager = Installed()
+    strict = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    with pytest.raises(ortfx.OrtfxExportError, match=r"ortfx_installed_model.py:13"):
+        strict(torch.randn(2, 4))

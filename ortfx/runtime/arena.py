@@ -19,6 +19,7 @@ thread: a one-node session on the same arena runs once with ORT's
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -42,6 +43,19 @@ _registered = False
 _failed = False
 _live = 0  # sessions on the shared arena not yet collected
 _shrinker: list[Any] = []  # [session, run options], made on the first shrink
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) starts with no lock held, no session of its own to
+    count, and no shrinker: the parent's may be mid-run or hold threads that did not fork."""
+    global _lock, _live
+    _lock = threading.RLock()
+    _live = 0
+    _shrinker.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def use(so: Any, ort: Any) -> None:
@@ -123,6 +137,7 @@ def _shrink(ort: Any) -> None:
         so = ort.SessionOptions()
         so.add_session_config_entry(USE_ENV_ALLOCATORS, "1")
         so.log_severity_level = 3
+        so.intra_op_num_threads = 1  # one Identity node: no thread pool kept for the process
         session = ort.InferenceSession(
             model.SerializeToString(), so, providers=["CPUExecutionProvider"]
         )
