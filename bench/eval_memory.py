@@ -23,16 +23,9 @@ import sys
 from typing import Any
 
 from bench import common
+from bench.memory import _hwm_mb, _reset_hwm, _rss_mb
 
 VARIANTS = ("eager", "shared", "own")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) // 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def worker(ns: argparse.Namespace) -> dict[str, Any]:
@@ -55,8 +48,8 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     evals = 0
-    later_peak = 0
-    early_peak = 0  # VmHWM before it is reset (the reset also resets getrusage's ru_maxrss)
+    later_peak = 0.0
+    early_peak = 0.0  # VmHWM before it is reset (the reset also resets getrusage's ru_maxrss)
     for step in range(ns.steps):
         args, kwargs = make_batch(step)
         loss = loss_fn(wrapped(*args, **kwargs))
@@ -67,9 +60,8 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
         del loss
         if (step + 1) % ns.eval_every == 0:
             if evals == 1:  # from the second validation on: the eval export is behind us
-                early_peak = _status("VmHWM")
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
+                early_peak = _hwm_mb()
+                _reset_hwm()
             wrapped.eval()
             with torch.no_grad():
                 args, kwargs = make_batch(10_000 + step)
@@ -77,11 +69,11 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
             wrapped.train()
             evals += 1
             if evals > 1:
-                later_peak = max(later_peak, _status("VmHWM"))
+                later_peak = max(later_peak, _hwm_mb())
     return {
         "variant": ns.variant,
-        "rss_end_mb": _status("VmRSS"),
-        "peak_mb": max(early_peak, _status("VmHWM")),
+        "rss_end_mb": _rss_mb(),
+        "peak_mb": max(early_peak, _hwm_mb()),
         "peak_after_first_eval_mb": later_peak,
         "losses": losses,
     }
@@ -139,8 +131,9 @@ def main() -> None:
             rec = run_one(ns, variant) | {"round": r}
             records.append(rec)
             print(
-                f"round {r} {variant:7s} end {rec['rss_end_mb']:5d} MB  peak {rec['peak_mb']:6.0f}"
-                f" MB  peak after first eval {rec['peak_after_first_eval_mb']:5d} MB",
+                f"round {r} {variant:7s} end {rec['rss_end_mb']:5.0f} MB  "
+                f"peak {rec['peak_mb']:6.0f} MB  "
+                f"peak after first eval {rec['peak_after_first_eval_mb']:5.0f} MB",
                 flush=True,
             )
     stem = f"eval-memory-{ns.tag or common.stamp()}"

@@ -336,7 +336,21 @@ class GradFlagReads:
 _AUTOGRAD_ATTRIBUTES = ("requires_grad", "grad_fn", "is_leaf")
 # Code whose reads are bookkeeping, not the model's branches (checked by module name).
 _TRUSTED_MODULES = ("torch.", "ortfx.")
-_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+
+
+def _inherited(name: str) -> Any:
+    """``torch.Tensor``'s own ``name`` (a C descriptor or method), found through the public
+    class's MRO, not by a private class name; read before any watcher shadows it."""
+    return next(vars(k)[name] for k in torch.Tensor.__mro__ if name in vars(k))
+
+
+_DESCRIPTORS = {name: _inherited(name) for name in _AUTOGRAD_ATTRIBUTES}
+_REQUIRES_GRAD_ = _inherited("requires_grad_")
+
+
+def _line_of(frame: Any) -> str:
+    """``file:line`` of a frame, for messages that point at the user's code."""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 @contextlib.contextmanager
@@ -372,8 +386,7 @@ def grad_flags_watched(
 
     def refuse(name: str, caller: Any, what: str) -> None:
         if reads.refused is None:
-            where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
-            reads.refused = (name, where, what)
+            reads.refused = (name, _line_of(caller), what)
 
     def made_to_require_grad() -> None:
         # The forward makes a tensor require grad: what it computes from it would in eager.
@@ -381,7 +394,7 @@ def grad_flags_watched(
         unsure[0] = unsure[0] or grad_enabled or dynamo
 
     def watcher(name: str) -> property:
-        descriptor = torch._C.TensorBase.__dict__[name]
+        descriptor = _DESCRIPTORS[name]
 
         def get(self: torch.Tensor) -> Any:
             value = descriptor.__get__(self)
@@ -417,7 +430,8 @@ def grad_flags_watched(
     def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
         if requires_grad and threading.get_ident() == exporting:
             made_to_require_grad()
-        return _REQUIRES_GRAD_(self, requires_grad)
+        changed: torch.Tensor = _REQUIRES_GRAD_(self, requires_grad)
+        return changed
 
     names = (*_AUTOGRAD_ATTRIBUTES, "requires_grad_")
     saved = {name: torch.Tensor.__dict__.get(name) for name in names}
@@ -447,8 +461,7 @@ def gradient_hooks_watched(grad_enabled: bool) -> Iterator[list[str]]:
     def watched(self: torch.Tensor, hook: Any) -> Any:
         if not grad_enabled or threading.get_ident() != exporting:
             return real(self, hook)  # type: ignore[no-untyped-call]
-        caller = sys._getframe(1)
-        found.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
+        found.append(_line_of(sys._getframe(1)))
         return _NoHandle()
 
     torch.Tensor.register_hook = watched  # type: ignore[method-assign]

@@ -42,7 +42,7 @@ _lock = threading.RLock()
 _registered = False
 _failed = False
 _live = 0  # sessions on the shared arena not yet collected
-_shrinker: list[Any] = []  # [session, run options], made on the first shrink
+_shrinker: list[Any] = []  # [session, run options, feed], made on the first shrink
 
 
 def _after_fork_in_child() -> None:

@@ -203,6 +203,16 @@ def invalidate(shell: Shell, cause: str) -> Shell:
 
 
 @attrs.frozen
+class Traced:
+    """What an export found the forward depending on, beyond its key (a graph from the disk
+    cache depends on none of these: such graphs are never stored)."""
+
+    numbers_from_tensors: bool = False  # the trace turned tensors into Python numbers
+    reads_grad_mode: bool = False  # the module asked torch.is_grad_enabled()
+    reads_grad_flags: bool = False  # the forward read requires_grad of inputs or parameters
+
+
+@attrs.frozen
 class Retry:
     """An attempt found something to repair; the next attempt starts from ``shell``."""
 
@@ -581,14 +591,14 @@ def realize(
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
-        info, timings, numbers, moded, flagged = _export(shell, module, call, leaves)
-        if numbers and _returns_numbers(info):
+        info, timings, traced = _export(shell, module, call, leaves)
+        if traced.numbers_from_tensors and _returns_numbers(info):
             pinned = _tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
-        if moded:  # the module asked for grad mode: the entry serves calls in this mode only
+        if traced.reads_grad_mode:  # the entry serves calls in this grad mode only
             call = traced_for_grad_mode(call)
             logs.grad_mode_traced(shell.log, call.grad_enabled)
-        if flagged:  # it read requires_grad flags: the entry serves calls with these only
+        if traced.reads_grad_flags:  # the entry serves calls with these flags only
             call = traced_for_grad_flags(call)
             logs.grad_flags_traced(shell.log)
     else:
@@ -652,9 +662,8 @@ def _refuse_layerdrop(module: torch.nn.Module) -> None:
 
 def _export(
     shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
-) -> tuple[PostExportProcessedModelInfo, Timings, bool, bool, bool]:
-    """The processed graph, the export's timings, whether the trace turned tensors into Python
-    numbers, whether it asked for grad mode, and whether it read requires_grad flags."""
+) -> tuple[PostExportProcessedModelInfo, Timings, Traced]:
+    """The processed graph, the export's timings, and what the trace depended on."""
     from ortfx.hooks.zero3 import gathered_for_export  # late: the hooks import this module
 
     log = shell.log
@@ -664,9 +673,7 @@ def _export(
     dynamic = frozenset(shell.options.dynamic_scalars)
     cached = _from_disk_cache(shell, module, call, padding, dynamic)
     if isinstance(cached, PostExportProcessedModelInfo):
-        # Entries whose trace turned tensors into Python values, asked for grad mode or read
-        # requires_grad flags are never stored.
-        return cached, Timings(), False, False, False
+        return cached, Timings(), Traced()
     # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with gathered_for_export(module):
@@ -718,13 +725,10 @@ def _export(
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
     logs.save_onnx(prefix, "post_processed", mode, info.model)
     timings = Timings(export=exported.seconds)
-    return (
-        info,
-        timings,
-        exported.numbers_from_tensors,
-        exported.reads_grad_mode,
-        exported.reads_grad_flags,
+    traced = Traced(
+        exported.numbers_from_tensors, exported.reads_grad_mode, exported.reads_grad_flags
     )
+    return info, timings, traced
 
 
 def _from_disk_cache(
