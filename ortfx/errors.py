@@ -113,6 +113,12 @@ NOT_A_MODULE = (
     "Pass the model object itself, e.g. ORTModule(MyModel())."
 )
 
+BUFFER_REQUIRES_GRAD = (
+    "buffer {name!r} requires grad; ortfx's graph takes gradients for the module's inputs and "
+    "parameters only, so the buffer would get none (PyTorch accumulates one into its .grad). "
+    "Register it as an nn.Parameter to train it, call requires_grad_(False) on it, or let "
+    "ortfx run the module in PyTorch (the default fallback policy does)."
+)
 PARAMS_ON_SEVERAL_DEVICES = (
     "the module's parameters and buffers are on several devices ({devices}); "
     "one ONNX Runtime session runs on one device. Move the whole module with model.to(device)."

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
@@ -34,6 +35,8 @@ _PLAIN_LEAF_TYPES: Final[frozenset[type]] = frozenset(
 )
 
 _registered: set[type] = set()
+# Re-entrant: registering a state type flattens nothing, but a subclass check may import.
+_REGISTERING = threading.RLock()
 
 CallTree = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -242,9 +245,17 @@ def originals(call: CallTree, /) -> Iterator[None]:
 
 
 def _register_node_type(cls: type) -> bool:
-    """Register ``cls`` as a node in our namespace if it is a container we support."""
+    """Register ``cls`` as a node in our namespace if it is a container we support (once:
+    two threads flattening a new type at once register it once, under the lock)."""
     if cls in _registered:
         return False
+    with _REGISTERING:
+        if cls in _registered:  # another thread registered it while this one waited
+            return True
+        return _register_unlocked(cls)
+
+
+def _register_unlocked(cls: type) -> bool:
     flatten: Callable[[Any], Any]
     unflatten: Callable[[Any, Any], Any]
     if is_state_type(cls):

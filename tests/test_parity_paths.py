@@ -215,16 +215,40 @@ def test_in_place_change_of_an_input_matches_pytorch_on_every_call() -> None:
         assert torch.equal(xw, x * 2)
 
 
-def test_in_place_change_of_an_input_that_requires_grad_is_a_clear_error() -> None:
+def test_in_place_change_of_an_input_that_requires_grad_behaves_as_in_pytorch() -> None:
+    """A leaf that requires grad: PyTorch's own RuntimeError (the trace runs with autograd as
+    called), the caller's tensor untouched, later calls unaffected. A computed tensor: eager
+    changes it and differentiates through the change, which ORT's graph cannot: strict raises
+    the typed error naming the input, the default policy runs PyTorch (outputs and the
+    gradient reaching the caller's leaf equal eager's, 1e-6)."""
     wrapped = _strict(ScalesInputInPlace())
     x = torch.randn(3, 4, requires_grad=True)
-    with pytest.raises(ortfx.OrtfxIOError) as info:
+    before = x.detach().clone()
+    with pytest.raises(RuntimeError) as info:
         wrapped(x)
-    assert str(info.value).startswith(
+    with pytest.raises(RuntimeError) as eager:
+        ScalesInputInPlace()(x)
+    assert str(info.value) == str(eager.value)
+    assert torch.equal(x.detach(), before)  # untouched
+    assert max_diff(wrapped(torch.ones(1, 4)), wrapped.module.fc(torch.ones(1, 4) * 2)) <= 1e-6
+
+    computed = torch.randn(3, 4, requires_grad=True) * 1
+    with pytest.raises(ortfx.OrtfxIOError) as typed:
+        wrapped(computed)
+    assert str(typed.value).startswith(
         "input args[0] requires grad and the module's forward changes it in place"
     )
-    assert torch.equal(x, x.detach())  # untouched
-    assert max_diff(wrapped(torch.ones(1, 4)), wrapped.module.fc(torch.ones(1, 4) * 2)) <= 1e-6
+    torch.manual_seed(0)
+    eager_model = ScalesInputInPlace()
+    default = ortfx.ORTModule(copy.deepcopy(eager_model))
+    leaf_e = torch.randn(3, 4, requires_grad=True)
+    leaf_w = leaf_e.detach().clone().requires_grad_()
+    ye, yw = eager_model(leaf_e * 1), default(leaf_w * 1)
+    assert max_diff(ye, yw) <= 1e-6
+    ye.sum().backward()
+    yw.sum().backward()
+    assert max_diff(leaf_e.grad, leaf_w.grad) <= 1e-6
+    assert ortfx.stats(default).fallback_calls == 1
 
 
 def test_stale_parameters_raise_like_pytorch() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -607,11 +608,17 @@ def test_dynamic_scalar_used_in_python_control_flow_becomes_static(
         for n in (2, 3):  # range(n) bakes n in: a graph fed n as a tensor would be wrong
             assert max_diff(wrapped(X, n=n), model(X, n=n)) <= 1e-6
     said = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
+    line = inspect.getsourcelines(Switchy.forward)[1] + 11  # for _ in range(n)
     assert said == [
+        "the tracer baked 1 Python value(s) computed from tensors into the graph, first: "
+        "Converting a tensor to a Python index might cause the trace to be incorrect. "
+        f"(test_transitions_e2e.py:{line}). If such a value changes from call to call (a "
+        "dynamic scalar used in Python control flow, an int taken from a size), the graph is "
+        "wrong for other values: keep it a static argument instead",
         "kwargs['n'] is in dynamic_scalars, but the exported graph does not read it as a tensor: "
         "the module turns the value into a Python value (e.g. range(n), if n > 0), which the "
         "tracer bakes in. ortfx treats it as static from now on; remove it from "
-        "Options.dynamic_scalars"
+        "Options.dynamic_scalars",
     ]
 
 

@@ -7,7 +7,9 @@ runs the whole module as one graph, so those hooks never fire. After
 
 * before the wrapper's forward, every partitioned parameter is all-gathered (the same order on
   every rank: by ``ds_id``), so the graph is exported and run with the full shapes
-  (``ds_shape``), and DeepSpeed's ``F.linear`` replacement is suspended while it runs;
+  (``ds_shape``); DeepSpeed's ``F.linear`` (its ZeRO-3 autograd Function, which DeepSpeed
+  puts in place process-wide) stays as it is: ortfx's exports write it as a plain linear
+  (:mod:`ortfx.export.functions`), and a call that runs in PyTorch uses it as eager would;
 * ORT's gradients reach the same ``nn.Parameter`` objects through ``AccumulateGrad`` (the
   parameters are inputs of ortfx's autograd Function), so DeepSpeed's post-accumulate hooks
   reduce-scatter them as in eager training;
@@ -38,8 +40,8 @@ import attrs
 import torch
 
 from ortfx import io
+from ortfx._torch import queue_after_backward
 from ortfx.errors import OrtfxInitError
-from ortfx.export import queue_after_backward
 from ortfx.options import LogLevel
 from ortfx.runtime import memgrad
 from ortfx.runtime.logs import WrapperLog
@@ -64,11 +66,6 @@ DEEPSPEED_MOVED = (
     "DeepSpeed 0.19.x. Install deepspeed==0.19.8 or report the new name."
 )
 
-LINEAR_ORIGINAL_MISSING = (
-    "DeepSpeed replaced torch.nn.functional.linear with its ZeRO-3 version but did not keep the "
-    "original (InsertPostInitMethodToModuleSubClasses.linear_bk), so ortfx cannot export the "
-    "module with the plain F.linear; ortfx supports DeepSpeed 0.19.x."
-)
 
 STATS_FILE_EXISTS = (
     "ZeRO-3 statistics file {path!r} exists; pass stats_overwrite=True to "
@@ -292,7 +289,6 @@ class _Gatherer:
         # Counted first: if anything here raises, the always-called post hook undoes both.
         self.live += 1
         self.stats = attrs.evolve(self.stats, forwards=self.stats.forwards + 1, live=self.live)
-        _plain_linear.enter()
         if not self._layer_by_layer():
             self.gather()
 
@@ -305,22 +301,17 @@ class _Gatherer:
         )
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        try:
-            leaves, spec = io.flatten(output)
-            grads = [
-                i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-            ]
-            if not grads:
-                self.end()  # eval, no_grad, or the forward raised: nothing will backward
-                return None
-            tied = _ReleaseAfterBackward.apply(  # type: ignore[no-untyped-call]
-                _Pass(self), *(leaves[i] for i in grads)
-            )
-            for i, t in zip(grads, tied, strict=True):
-                leaves[i] = t
-            return io.unflatten(spec, leaves)
-        finally:
-            _plain_linear.exit()
+        leaves, spec = io.flatten(output)
+        grads = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not grads:
+            self.end()  # eval, no_grad, or the forward raised: nothing will backward
+            return None
+        tied = _ReleaseAfterBackward.apply(  # type: ignore[no-untyped-call]
+            _Pass(self), *(leaves[i] for i in grads)
+        )
+        for i, t in zip(grads, tied, strict=True):
+            leaves[i] = t
+        return io.unflatten(spec, leaves)
 
     def gather(self) -> tuple[torch.nn.Parameter, ...]:
         """All-gather every partitioned parameter; returns them."""
@@ -489,41 +480,6 @@ class _ReleaseAfterBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         ctx.token.end_after_backward()
         return (None, *grads)
-
-
-class _PlainLinear:
-    """Suspends DeepSpeed's ``F.linear`` replacement while wrappers run (nesting counted): the
-    exporter must trace the plain op, and ortfx's PyTorch fallback must not re-gather."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.saved: Callable[..., Any] | None = None
-
-    def enter(self) -> None:
-        self.depth += 1  # even if this raises: exit() always follows
-        if self.depth > 1:
-            return
-        from deepspeed.runtime.zero.linear import zero3_linear_wrap
-        from deepspeed.runtime.zero.partition_parameters import (
-            InsertPostInitMethodToModuleSubClasses as Replacer,
-        )
-
-        functional = torch.nn.functional
-        if functional.linear is zero3_linear_wrap:
-            original = getattr(Replacer, "linear_bk", None)
-            if original is None:
-                raise OrtfxInitError(LINEAR_ORIGINAL_MISSING)
-            self.saved = functional.linear
-            functional.linear = original
-
-    def exit(self) -> None:
-        self.depth -= 1
-        if self.depth == 0 and self.saved is not None:
-            torch.nn.functional.linear = self.saved
-            self.saved = None
-
-
-_plain_linear = _PlainLinear()
 
 
 def _stats_sink(settings: Settings) -> IO[str] | None:

@@ -143,7 +143,7 @@ def _value_text(where: str, value: Any) -> str:
 
 
 def _module_lines(module: torch.nn.Module) -> Iterator[str]:
-    from ortfx.export import hook_tables
+    from ortfx._torch import hook_tables
 
     if any(hook_tables(None)[:2]):  # forward pre-hooks, forward hooks
         raise Uncacheable("a global forward hook is registered")

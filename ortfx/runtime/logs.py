@@ -1,15 +1,17 @@
-"""Logging for the shell: the ``ortfx`` logger, captured native output, the feature table."""
+"""Logging for the shell: the ``ortfx`` logger, one function per log line, the feature table.
+
+ortfx never redirects the process's stdout or stderr (another thread's output would land in
+its log): what ORT and the exporters would print is silenced at the source instead (ORT's log
+severity, the dynamo exporter's ``verbose=False``, the types the PythonOp symbolic declares).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import sys
-import tempfile
-import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -55,65 +57,6 @@ class WrapperLog:
 def wrapper_log(level: LogLevel) -> WrapperLog:
     """The (shared, stateless) log view for one ``log_level``."""
     return WrapperLog(level)
-
-
-# File descriptors 1 and 2 are the process's: two threads redirecting them at once would each
-# restore the other's temporary file (and leave the process writing into a deleted file).
-_CAPTURE_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def captured(log: WrapperLog, what: str) -> Iterator[None]:
-    """Capture stdout/stderr, native writes included (ORT and the exporter print from C++).
-
-    The text is logged at VERBOSE, and attached as a note to an exception the block raises.
-    One capture at a time in the process; a nested one (same thread) passes through.
-    """
-    if getattr(_CAPTURING, "active", False):
-        yield
-        return
-    with _CAPTURE_LOCK:
-        _CAPTURING.active = True
-        try:
-            with _redirected(log, what):
-                yield
-        finally:
-            _CAPTURING.active = False
-
-
-_CAPTURING = threading.local()
-
-
-@contextlib.contextmanager
-def _redirected(log: WrapperLog, what: str) -> Iterator[None]:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        saved = os.dup(1), os.dup(2)
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        text_sink = open(sink.fileno(), "w", closefd=False)  # noqa: SIM115 - closed below
-        error: BaseException | None = None
-        try:
-            with contextlib.redirect_stdout(text_sink), contextlib.redirect_stderr(text_sink):
-                yield
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            text_sink.close()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-            sink.seek(0)
-            text = sink.read().decode(errors="replace").strip()
-            if text:
-                log.log(LogLevel.VERBOSE, "output of %s:\n%s", what, text)
-                if error is not None:
-                    # Shown with the traceback if the error reaches the user; a fallback that
-                    # catches it keeps the (often long) dump out of the log.
-                    error.add_note(f"output of {what}:\n{text}")
 
 
 def feature_table(options: Options, exporter: str, *, deterministic: bool) -> str:

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from ortfx.export import function_graph_name
+from ortfx.function_names import function_graph_name
 
 # .params: the parameters of the ORT forward running on this thread; .accumulating: True while
 # an ortfx backward runs ORT's backward on this thread.

@@ -109,9 +109,10 @@ class ORTModule(torch.nn.Module):
                 unsupported = e
         if unsupported is not None:
             # Nothing about a later call can fix these: fall back for good, or raise.
-            self._ortfx_commit(
-                engine.fall_back(
-                    self._ortfx, unsupported, key=engine.ALWAYS, retry=False, during_call=False
+            error = unsupported
+            self._ortfx_update(
+                lambda shell: engine.fall_back(
+                    shell, error, key=engine.ALWAYS, retry=False, during_call=False
                 )
             )
 
@@ -141,30 +142,45 @@ class ORTModule(torch.nn.Module):
         self.__dict__["_ortfx"] = attrs.evolve(shell, watched=watch.module_ids(self.module))
         watch.watch(self)
 
-    def _ortfx_commit(self, shell: engine.Shell) -> None:
-        self.__dict__["_ortfx"] = shell
+    def _ortfx_commit(self, shell: engine.Shell, *, base: engine.Shell) -> None:
+        """Store ``shell``, the result of work that started from ``base``: compare and swap.
+        Another commit made meanwhile (an invalidation from a registration hook firing inside
+        the call, ``configure`` from another thread) is not overwritten: the result is rebased
+        onto it (:func:`ortfx.runtime.shell.rebase`)."""
+        with _COMMIT_LOCK:
+            current = self.__dict__["_ortfx"]
+            if current is not base:
+                shell = engine.rebase(shell, base=base, current=current)
+            self.__dict__["_ortfx"] = shell
+
+    def _ortfx_update(self, change: Callable[[engine.Shell], engine.Shell]) -> None:
+        """Replace the record by ``change(record)``, read and written under the commit lock
+        (``change`` is quick and pure)."""
+        with _COMMIT_LOCK:
+            self.__dict__["_ortfx"] = change(self.__dict__["_ortfx"])
 
     def _ortfx_watches(self, module_id: int) -> bool:
         return module_id in self._ortfx.watched
 
     def _ortfx_invalidate(self, cause: str) -> None:
-        self._ortfx_commit(engine.invalidate(self._ortfx, cause))
+        self._ortfx_update(lambda shell: engine.invalidate(shell, cause))
 
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
+        base = self._ortfx
         token = _IN_WRAPPER.set(True)  # the module's own forward from here on (_on_module)
         try:
             # Caches in the call are changed in place, as in PyTorch (see ortfx.io.originals).
             with io.originals(io.call_tree(args, kwargs)):
-                result, shell = engine.call(self._ortfx, self.module, args, kwargs)
+                result, shell = engine.call(base, self.module, args, kwargs)
         except engine.CallFailed as e:
             failed = e
         finally:
             _IN_WRAPPER.reset(token)
         if failed is not None:
-            self._ortfx_commit(failed.shell)
+            self._ortfx_commit(failed.shell, base=base)
             raise failed.error  # outside the except block: no "during handling" chain
-        self._ortfx_commit(shell)
+        self._ortfx_commit(shell, base=base)
         return result
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -305,11 +321,15 @@ class ORTModule(torch.nn.Module):
         if before != after:
             self._ortfx_invalidate("parameters or buffers changed dtype (.to()/.half()/...)")
         else:  # the device may have changed: track again
-            self._ortfx_commit(attrs.evolve(self._ortfx, tracked=None, fast=None))
+            self._ortfx_update(lambda shell: attrs.evolve(shell, tracked=None, fast=None))
         return self
 
     def extra_repr(self) -> str:
         return f"exporter={self._ortfx.exporter!r}"
+
+
+# Commits of every wrapper: each is a few attribute reads and one store.
+_COMMIT_LOCK = threading.RLock()
 
 
 # ---- one subclass per wrapped class -------------------------------------------------------------
@@ -423,8 +443,9 @@ def memory_report(model: torch.nn.Module) -> tuple[MemoryPlan, ...]:
     """The memory optimizer's recompute plans for ``model``'s current training graph: cluster,
     ON/OFF, the config string that enables it, frequency and estimated bytes saved per step."""
     wrapper = _wrapper(model)
-    report, shell = engine.memory_report(wrapper._ortfx)
-    wrapper._ortfx_commit(shell)
+    base = wrapper._ortfx
+    report, shell = engine.memory_report(base)
+    wrapper._ortfx_commit(shell, base=base)
     return report
 
 
@@ -443,9 +464,12 @@ def configure(model: torch.nn.Module, **changes: Any) -> None:
                 unknown=", ".join(map(repr, unknown)), known=", ".join(sorted(known))
             )
         )
-    shell = wrapper._ortfx
-    options = attrs.evolve(shell.options, **changes)
-    wrapper._ortfx_commit(shell.configured(options, exporter_changed="exporter" in changes))
+    attrs.evolve(wrapper._ortfx.options, **changes)  # invalid values raise here, changing nothing
+    wrapper._ortfx_update(
+        lambda shell: shell.configured(
+            attrs.evolve(shell.options, **changes), exporter_changed="exporter" in changes
+        )
+    )
 
 
 def invalidate(model: torch.nn.Module, reason: str = "ortfx.invalidate() was called") -> None:

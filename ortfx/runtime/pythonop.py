@@ -106,6 +106,7 @@ _TOKENS = itertools.count(1)
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
 _registered: list[str] = []  # function names already handed to ORT
+_SETUP_LOCK = threading.Lock()
 _bridge: Any = None
 
 
@@ -446,14 +447,15 @@ def prepare(functions: dict[str, type]) -> None:
         return
     from onnxruntime.capi import _pybind_state as C
 
-    if _bridge is None:
-        bridge = _load_bridge(sorted(functions))
-        C.register_forward_runner(bridge.forward_runner_address())
-        C.register_backward_runner(bridge.backward_runner_address())
-        bridge.set_runners(forward_runner, backward_runner)
-        _bridge = bridge
-        atexit.register(teardown)
-    for name, cls in functions.items():
-        if name not in _registered:
-            C.register_torch_autograd_function(name, cls)
-            _registered.append(name)
+    with _SETUP_LOCK:  # two threads preparing their first graphs at once set up once
+        if _bridge is None:
+            bridge = _load_bridge(sorted(functions))
+            C.register_forward_runner(bridge.forward_runner_address())
+            C.register_backward_runner(bridge.backward_runner_address())
+            bridge.set_runners(forward_runner, backward_runner)
+            _bridge = bridge
+            atexit.register(teardown)
+        for name, cls in functions.items():
+            if name not in _registered:
+                C.register_torch_autograd_function(name, cls)
+                _registered.append(name)

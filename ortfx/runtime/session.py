@@ -22,6 +22,7 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
 from ortfx import aten
+from ortfx._torch import engine_accumulates
 from ortfx.errors import (
     CUDA_PROVIDER_MISSING,
     EMPTY_TENSOR_TRAINING,
@@ -37,7 +38,7 @@ from ortfx.errors import (
     OrtfxRuntimeError,
     OrtfxUnsupportedOpError,
 )
-from ortfx.export import engine_accumulates, pythonop_functions
+from ortfx.function_names import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import Options
 from ortfx.runtime import arena, events, memgrad, openmp, pythonop

@@ -26,8 +26,10 @@ import onnx
 import optree
 import torch
 
-from ortfx import io, memory, passes
+from ortfx import io, memory, module_state, passes
+from ortfx._torch import any_autocast, in_functorch_transform
 from ortfx.errors import (
+    BUFFER_REQUIRES_GRAD,
     FUNCTORCH_TRANSFORM,
     INPUT_CHANGED_IN_PLACE,
     INPUT_ON_OTHER_DEVICE,
@@ -51,10 +53,8 @@ from ortfx.errors import (
 from ortfx.export import (
     BRANCH,
     Exported,
-    any_autocast,
     export,
     exporting,
-    in_functorch_transform,
     raise_if_pytorch_raises,
     resolve_exporter,
 )
@@ -64,7 +64,7 @@ from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import FallbackPolicy, Options
 from ortfx.runtime import disk_cache, events, logs, memgrad, watch
 from ortfx.runtime.autograd import RunORT
-from ortfx.runtime.logs import WrapperLog, captured
+from ortfx.runtime.logs import WrapperLog
 from ortfx.runtime.session import (
     InferenceRunner,
     Timings,
@@ -139,6 +139,8 @@ class Compiled:
     # The export call's input sizes, when the graph returns Python numbers the user's code
     # computed from tensors (``int(x.shape[0])``): they hold only for these sizes.
     pinned_sizes: tuple[tuple[int, ...], ...] | None = None
+    # The attributes its traced forward set (see Traced.writes).
+    writes: tuple[tuple[int, str], ...] = ()
 
 
 @attrs.frozen
@@ -195,6 +197,27 @@ class Shell:
         return attrs.evolve(self, options=options, exporter=exporter, state=state, fast=None)
 
 
+def rebase(result: Shell, *, base: Shell, current: Shell) -> Shell:
+    """``result`` (computed from ``base``) with what was committed meanwhile (``current``)
+    applied on top, so that no commit is lost: invalidations (a new module version), options
+    (``configure``), a forgotten view of the module (``.to()``), a permanent fallback. What
+    another call on another thread cached meanwhile is not merged (it is built again if
+    needed); nothing that makes a graph stale is dropped."""
+    if current.state.module_version.number != base.state.module_version.number:
+        result = invalidate(result, current.state.module_version.cause)
+    if current.options != base.options:
+        result = result.configured(
+            current.options, exporter_changed=current.options.exporter != base.options.exporter
+        )
+    if current.tracked is None and base.tracked is not None:
+        result = attrs.evolve(result, tracked=None, fast=None)
+    if current.state.fallbacks != base.state.fallbacks:
+        fallbacks = tuple(dict.fromkeys((*result.state.fallbacks, *current.state.fallbacks)))
+        state = attrs.evolve(result.state, fallbacks=fallbacks)
+        result = attrs.evolve(result, state=state, fast=None)
+    return result
+
+
 def invalidate(shell: Shell, cause: str) -> Shell:
     """A new module version: every cached graph becomes unreachable; track the module again."""
     return attrs.evolve(
@@ -210,6 +233,9 @@ class Traced:
     numbers_from_tensors: bool = False  # the trace turned tensors into Python numbers
     reads_grad_mode: bool = False  # the module asked torch.is_grad_enabled()
     reads_grad_flags: bool = False  # the forward read requires_grad of inputs or parameters
+    # (module id, name) of the public attributes the forward set while traced: the graph
+    # cannot follow them (warned), and later writes of them are no change behind it.
+    writes: tuple[tuple[int, str], ...] = ()
 
 
 @attrs.frozen
@@ -310,9 +336,18 @@ def _in_torch(
     shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Shell]:
     try:
-        return module(*args, **kwargs), shell
+        result = module(*args, **kwargs)
     except BaseException as error:
-        raise CallFailed(error, shell) from None
+        raise CallFailed(error, _attributes_seen(shell)) from None
+    return result, _attributes_seen(shell)
+
+
+def _attributes_seen(shell: Shell) -> Shell:
+    """The shell after the forward ran in eager inside this call: the module's attribute
+    writes there are its own (as in eager), not a change behind a graph."""
+    if shell.tracked is None:
+        return shell
+    return attrs.evolve(shell, tracked=shell.tracked.with_fresh_attributes())
 
 
 # ---- one call ----------------------------------------------------------------------------------
@@ -371,6 +406,9 @@ def run(
         and not tracked.replaced()
         and not tracked.moved()
         and tracked.clock == watch.hook_clock()
+        and not tracked.hooks_removed()
+        and not tracked.buffer_grad_changed()
+        and not tracked.attributes_changed()
         and not tracked.configs_differ()
         and fast.signature == _signature(leaves, spec, module, state, tracked)
     ):
@@ -399,13 +437,22 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
     if tracked is not None and tracked.replaced():
         shell = invalidate(shell, "the parameters were replaced outside the wrapper")
         tracked = None
-    if tracked is not None and tracked.clock != watch.hook_clock():
+    if tracked is not None and (tracked.clock != watch.hook_clock() or tracked.hooks_removed()):
         cause = tracked.hooks_change()
         if cause is not None:
             shell = invalidate(shell, cause)
             tracked = None
         else:  # a hook elsewhere in the process: this tree's graphs stand
-            tracked = attrs.evolve(tracked, clock=watch.hook_clock())
+            tracked = tracked.with_fresh_hooks()
+            shell = attrs.evolve(shell, tracked=tracked, fast=None)
+    if tracked is not None and tracked.attributes_changed():
+        assert tracked.attributes is not None
+        cause = tracked.attributes.cause()
+        if cause is not None:
+            shell = invalidate(shell, cause)
+            tracked = None
+        else:  # private names or objects only: the traced attributes stand
+            tracked = tracked.with_fresh_attributes()
             shell = attrs.evolve(shell, tracked=tracked, fast=None)
     if tracked is not None and tracked.configs_differ():
         cause = tracked.config_change()
@@ -415,6 +462,8 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
         else:  # metadata only: the graphs stand; compare against the new values from now on
             tracked = tracked.with_fresh_configs()
             shell = attrs.evolve(shell, tracked=tracked, fast=None)
+    if tracked is not None and tracked.buffer_grad_changed():
+        tracked = None  # a buffer's flag moved: take the view again (checked in attempt)
     if tracked is None or tracked.moved():
         tracked = watch.track(module)
         shell = attrs.evolve(shell, tracked=tracked, watched=watch.module_ids(module))
@@ -437,6 +486,9 @@ def attempt(
     from ortfx.hooks.zero3 import check_partitioned
 
     check_partitioned(module, tracked.named_tensors)
+    if tracked.buffer_grad and torch.is_grad_enabled():
+        name = tracked.buffer_requiring_grad()
+        raise OrtfxTorchModelError(BUFFER_REQUIRES_GRAD.format(name=name))
     fed, tensorized = _tensorize(shell, leaves, spec)
     call = resolve(state, make_call(fed, spec, _context(shell, module, tracked)))
     _check_input_devices(fed, call.key.schema, tracked.device)
@@ -457,11 +509,18 @@ def attempt(
                 attrs.evolve(shell, baked=shell.baked | set(baked), fast=None),
                 f"{', '.join(baked)} baked in",
             )
+    if compiled.writes:
+        # The forward's own writes (warned): never a change behind its graph.
+        tracked = tracked.with_fresh_attributes(compiled.writes)
+        shell = attrs.evolve(shell, tracked=tracked)
     new_state = apply(state, call, decision, compiled)
     result = execute(shell, module, fed, tracked, call, compiled, new_state)
-    if isinstance(result, Retry) or shell.options.dynamic_scalars:
+    if isinstance(result, Retry):
         return result
     output, after = result
+    after = _attributes_seen(after)  # the export's own writes (warned) are the new baseline
+    if shell.options.dynamic_scalars:
+        return output, after
     if after.state.entries[-1].key is call.key:
         now = _signature(leaves, spec, module, state, tracked)
         after = attrs.evolve(after, fast=FastPath(now, call))
@@ -588,10 +647,12 @@ def realize(
     assert not isinstance(decision, Reuse)
     timings = Timings()
     pinned: tuple[tuple[int, ...], ...] | None = None
+    writes: tuple[tuple[int, str], ...] = ()
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
         info, timings, traced = _export(shell, module, call, leaves)
+        writes = traced.writes
         if traced.numbers_from_tensors and _returns_numbers(info):
             pinned = _tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
@@ -611,7 +672,10 @@ def realize(
         Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons)
     )
     logs.transition(shell.log, line, timings.render() if timings.export else "")
-    return Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned), call
+    return (
+        Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned, writes=writes),
+        call,
+    )
 
 
 def _returns_numbers(info: PostExportProcessedModelInfo) -> bool:
@@ -678,14 +742,11 @@ def _export(
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with gathered_for_export(module):
         source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
-        with (
-            watch.muted(module),
-            captured(log, "the ONNX export"),
-            watch.writes_recorded() as writes,
-        ):
+        with watch.muted(module):
             exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
+    writes = exported.writes
     if writes:
-        logs.traced_writes(log, tuple(dict.fromkeys(writes)))
+        logs.traced_writes(log, module_state.described(writes))
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     hooked = watch.user_forward_hooks(module)
@@ -726,7 +787,10 @@ def _export(
     logs.save_onnx(prefix, "post_processed", mode, info.model)
     timings = Timings(export=exported.seconds)
     traced = Traced(
-        exported.numbers_from_tensors, exported.reads_grad_mode, exported.reads_grad_flags
+        exported.numbers_from_tensors,
+        exported.reads_grad_mode,
+        exported.reads_grad_flags,
+        tuple((id(m), name) for m, name in writes),
     )
     return info, timings, traced
 
@@ -866,7 +930,7 @@ def execute(
             return Retry(invalidate(shell, changed), changed)
         # A call PyTorch rejects too (a wrong width, a user check) is the input's fault: its
         # own exception, and no fallback or exporter switch for later, different calls.
-        raise_if_pytorch_raises(module, leaves, call.key.schema)
+        raise_if_pytorch_raises(module, leaves, call.key.schema, torch.is_grad_enabled())
         if not (compiled.ran and call.key.options.exporter == "torchscript"):
             raise
         # The graph ran before on other sizes: the tracer baked a size in. The dynamo
@@ -913,7 +977,7 @@ def _check_empty_outputs(
     sizes = tuple(tuple(leaves[i].shape) for i in call.key.schema.tensor_indices())
     if sizes in built.empty_checked:
         return built
-    raise_if_pytorch_raises(module, leaves, call.key.schema)
+    raise_if_pytorch_raises(module, leaves, call.key.schema, torch.is_grad_enabled())
     return attrs.evolve(built, empty_checked=built.empty_checked | {sizes})
 
 
@@ -1079,17 +1143,16 @@ def _with_training_runner(
     dims = _input_dims(compiled.info, leaves)
 
     def build(plans_on: tuple[str, ...] | None, probe: str) -> TrainingRunner:
-        with captured(shell.log, "the gradient build and session creation"):
-            return open_training(
-                info,
-                device,
-                options,
-                deterministic=call.session.deterministic,
-                save_prefix=prefix,
-                memory=None if plans_on is None else (probe, plans_on),
-                mode="training" if call.key.training else "inference",
-                probe=bool(level or plans),
-            )
+        return open_training(
+            info,
+            device,
+            options,
+            deterministic=call.session.deterministic,
+            save_prefix=prefix,
+            memory=None if plans_on is None else (probe, plans_on),
+            mode="training" if call.key.training else "inference",
+            probe=bool(level or plans),
+        )
 
     runner = build(None, "1:0")
     report = compiled.memory
@@ -1120,14 +1183,13 @@ def _with_inference_runner(
     shell: Shell, compiled: Compiled, device: torch.device, call: Call
 ) -> Compiled:
     info = passes.seed_dropouts(torch.initial_seed())(compiled.info)
-    with captured(shell.log, "the session creation"):
-        runner = open_inference(
-            info,
-            device,
-            shell.options,
-            deterministic=call.session.deterministic,
-            save_prefix=logs.save_prefix(shell.options),
-        )
+    runner = open_inference(
+        info,
+        device,
+        shell.options,
+        deterministic=call.session.deterministic,
+        save_prefix=logs.save_prefix(shell.options),
+    )
     built = attrs.evolve(compiled, inference=runner)
     _log_ready(shell, "inference", built, runner, call)
     return built

@@ -1,8 +1,10 @@
 """What the graph is built over: the module's parameters and buffers, and who changes them.
 
-:class:`Tracked` is the frozen view of the tensors one call feeds to the graph; the process-wide
-registration hooks tell a live wrapper when a parameter, buffer or submodule anywhere in its
-module tree is added or replaced, so that its graphs are rebuilt.
+:class:`Tracked` is the frozen view of the tensors one call feeds to the graph, with what else
+the trace depended on that a later call compares (the tree's plain attributes, its hooks, the
+transformers configs it holds); torch's public module registration hooks tell a live wrapper
+when a parameter, buffer or submodule anywhere in its module tree is added or replaced, so that
+its graphs are rebuilt. Nothing of torch's is replaced: ortfx compares instead of intercepting.
 """
 
 from __future__ import annotations
@@ -10,19 +12,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import functools
 import operator
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeAlias
 
 import attrs
 import torch
 
+from ortfx import _torch
 from ortfx.errors import PARAMS_ON_SEVERAL_DEVICES, OrtfxDeviceError
-from ortfx.export import hook_tables, inside_module_call
+from ortfx.module_state import PlainAttributes
 
 Fingerprint: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
@@ -72,13 +74,53 @@ class Tracked:
     # The module hooks in the tree (and torch's global ones) when this view was taken, and the
     # hook clock then: a hook registered or removed later changes what the forward does.
     hooks: tuple[Any, ...] = ()
-    clock: tuple[int, int] = (-1, -1)
+    clock: int = -1
+    # The hook tables that held hooks, with their sizes: a removal shrinks one (torch numbers
+    # each registration, which moves the clock, but counts no removal).
+    hook_sizes: tuple[tuple[Mapping[int, Any], int], ...] = ()
+    # The buffers, and whether any required grad (the graph differentiates parameters only).
+    buffers: tuple[torch.Tensor, ...] = ()
+    buffer_grad: bool = False
+    # The public plain attributes of every module of the tree (``self.use_gate``), as the graph
+    # was traced with them: torch has no hook for their writes, so each call compares.
+    attributes: PlainAttributes | None = None
 
     def replaced(self) -> bool:
         if self.first_slot is None:
             return False
         owner, name = self.first_slot
-        return owner._parameters.get(name) is not self.params[0]
+        return _torch.own_parameters(owner).get(name) is not self.params[0]
+
+    def buffer_grad_changed(self) -> bool:
+        """Whether a buffer's requires_grad flag moved since this view (one pass over them)."""
+        return any(b.requires_grad for b in self.buffers) != self.buffer_grad
+
+    def buffer_requiring_grad(self) -> str | None:
+        """The name of the first buffer that requires grad, if any."""
+        params = set(self.param_names)
+        return next(
+            (n for n, t in self.named_tensors.items() if n not in params and t.requires_grad),
+            None,
+        )
+
+    def hooks_removed(self) -> bool:
+        """Whether a hook table that held hooks holds fewer now (a handle was removed)."""
+        return any(len(table) != size for table, size in self.hook_sizes)
+
+    def attributes_changed(self) -> bool:
+        return self.attributes is not None and self.attributes.changed()
+
+    def with_fresh_attributes(self, skip: Iterable[tuple[int, str]] = ()) -> Tracked:
+        """This view with the attributes as they are now: after ortfx itself ran the forward
+        (an export, a call in PyTorch), whose own writes are not a change behind the graph;
+        ``skip``: the (module id, name) of attributes an exported forward sets itself."""
+        attributes = self.attributes or PlainAttributes.of(self.modules)
+        return attrs.evolve(self, attributes=attributes.refreshed(skip))
+
+    def with_fresh_hooks(self) -> Tracked:
+        """This view with the hook clock and table sizes of now (the tree's hooks are the same:
+        a hook elsewhere in the process moved the clock)."""
+        return attrs.evolve(self, clock=hook_clock(), hook_sizes=hook_sizes(self.modules))
 
     def moved(self) -> bool:
         """The parameters left the device this view was taken on (``.to()`` in place)."""
@@ -149,7 +191,8 @@ _TRAINING = operator.attrgetter("training")
 def track(module: torch.nn.Module) -> Tracked:
     """Take the view of ``module``'s tensors; all must sit on one device."""
     params = dict(module.named_parameters())
-    named: dict[str, torch.Tensor] = {**params, **dict(module.named_buffers())}
+    buffers = dict(module.named_buffers())
+    named: dict[str, torch.Tensor] = {**params, **buffers}
     devices = {t.device for t in named.values()}
     if len(devices) > 1:
         raise OrtfxDeviceError(
@@ -165,27 +208,38 @@ def track(module: torch.nn.Module) -> Tracked:
             (m, n) for m in module.modules() for n, p in m._parameters.items() if p is first
         )
     modules = dict(module.named_modules())
+    tree = tuple(modules.values())
     return Tracked(
         tuple(params),
         tuple(params.values()),
         named,
         device,
         first_slot,
-        tuple(modules.values()),
+        tree,
         tuple(modules),
         _configs(modules),
-        module_hooks(tuple(modules), tuple(modules.values())),
+        module_hooks(tuple(modules), tree),
         hook_clock(),
+        hook_sizes(tree),
+        tuple(buffers.values()),
+        any(b.requires_grad for b in buffers.values()),
+        PlainAttributes.of(tree),
     )
 
 
-_REMOVED = [0]  # hooks removed in this process (RemovableHandle.remove, counted once watched)
+def hook_clock() -> int:
+    """Moves whenever a hook is registered anywhere in the process (torch numbers every
+    handle it gives out): one read per call."""
+    return _torch.hook_handles_made()
 
 
-def hook_clock() -> tuple[int, int]:
-    """Moves whenever a hook is registered (torch numbers every handle it gives out) or
-    removed (counted by ortfx) anywhere in the process: one read per call."""
-    return torch.utils.hooks.RemovableHandle.next_id, _REMOVED[0]
+def hook_sizes(
+    modules: tuple[torch.nn.Module, ...],
+) -> tuple[tuple[Mapping[int, Any], int], ...]:
+    """The tree's (and torch's global) hook tables that hold hooks, with their sizes."""
+    tables = [t for m in modules for t in _torch.hook_tables(m)]
+    tables += _torch.hook_tables(None)
+    return tuple((t, len(t)) for t in tables if len(t))
 
 
 # Libraries whose module hooks are theirs to keep working (ZeRO-3 gathering, ortfx's own
@@ -198,7 +252,7 @@ def user_forward_hooks(module: torch.nn.Module) -> tuple[str, ...]:
     ``'name' (Type)``: the trace runs them once, ORT never again."""
     found = []
     for name, sub in module.named_modules():
-        for table in hook_tables(sub)[:2]:  # forward pre-hooks, forward hooks
+        for table in _torch.hook_tables(sub)[:2]:  # forward pre-hooks, forward hooks
             for hook in table.values():
                 function = getattr(hook, "func", hook)  # functools.partial
                 owner = getattr(function, "__module__", None) or ""
@@ -213,14 +267,16 @@ def module_hooks(
     """Which hook functions the tree's modules and torch's global tables hold, by identity."""
     found = []
     for name, module in zip(names, modules, strict=True):
-        ids = tuple(id(hook) for table in hook_tables(module) for hook in table.values())
+        ids = tuple(id(hook) for table in _torch.hook_tables(module) for hook in table.values())
         if ids:
             found.append((repr(name or "the module") + f" ({type(module).__name__})", ids))
-    ids = tuple(id(hook) for table in hook_tables(None) for hook in table.values())
+    ids = tuple(id(hook) for table in _torch.hook_tables(None) for hook in table.values())
     if ids:
         found.append(("every module (global hooks)", ids))
     return tuple(found)
 
+
+_MISSING = object()
 
 # Config entries that describe the checkpoint, not the computation; the parameters' dtypes
 # are tracked on their own (Tracked.fingerprint).
@@ -329,104 +385,15 @@ def _on_registration(module: torch.nn.Module, name: str, value: Any) -> None:
         wrapper._ortfx_invalidate(f"{name!r} of {type(module).__name__} set to a {kind}")
 
 
-# True while a wrapper runs its module (export, fallback, the graph): attribute writes from
-# there are the module's own doing, traced or run as in eager.
+# True while a wrapper runs its module (export, fallback, the graph): the module's own calls.
 IN_WRAPPER: contextvars.ContextVar[bool] = contextvars.ContextVar("ortfx_in_wrapper", default=False)
-
-# While exporting: the public plain attributes the forward sets. ORT runs the graph, not the
-# forward's Python, so later calls would leave them as the exporting call set them.
-TRACED_WRITES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "ortfx_traced_writes", default=None
-)
-
-
-@contextlib.contextmanager
-def writes_recorded() -> Iterator[list[str]]:
-    """Collect, in this context, the public plain attributes forwards set (see __setattr__)."""
-    writes: list[str] = []
-    token = TRACED_WRITES.set(writes)
-    try:
-        yield writes
-    finally:
-        TRACED_WRITES.reset(token)
-
-
-_MISSING = object()
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _on_plain_attribute(module: torch.nn.Module, name: str, old: Any, value: Any) -> None:
-    """A public plain attribute of ``module`` was set outside any wrapper's call: the graphs of
-    every wrapper whose tree holds ``module`` may have the old value traced in."""
-    if old is value or (type(old) is type(value) and type(value) in _PLAIN and old == value):
-        return  # the same value again (model.flag = True twice): nothing the trace saw changed
-    if inside_module_call(sys._getframe(2)):
-        return  # a forward run in eager writing its own state (self.last_attention = ...)
-    counts = _muted()
-    for wrapper in list(_LIVE):
-        if id(wrapper.module) in counts or not wrapper._ortfx_watches(id(module)):
-            continue
-        wrapper._ortfx_invalidate(
-            f"attribute {name!r} of {type(module).__name__} set outside the wrapper"
-        )
-
-
-def _watch_plain_attributes() -> None:
-    """Route ``nn.Module.__setattr__`` through a check for public plain attributes.
-
-    ``model.block.use_gate = True`` changes what the forward traces, and torch offers no hook
-    for plain attributes (only for parameters, buffers and submodules). ``training`` is left
-    to the export key (every ``.train()`` sets it on each module), names starting with ``_``
-    to frameworks' bookkeeping; writes inside a wrapper's call, or inside any module's forward
-    run in eager, are the forward's own. Other code sees torch's own behaviour: the original
-    runs first, whatever it does.
-    """
-    original = torch.nn.Module.__setattr__
-
-    @functools.wraps(original)
-    def __setattr__(self: torch.nn.Module, name: str, value: Any) -> None:
-        # Under torch.compile the write is traced code inside a forward: torch's own setattr,
-        # with nothing dynamo cannot trace (a context variable, stack frames) on the way.
-        if torch.compiler.is_compiling():
-            original(self, name, value)
-            return
-        if not _LIVE or name == "training" or name.startswith("_"):
-            original(self, name, value)
-            return
-        if IN_WRAPPER.get():
-            original(self, name, value)
-            writes = TRACED_WRITES.get()
-            if (
-                writes is not None
-                and name in self.__dict__
-                # a user's module, not the exporter's own wrappers around it
-                and any(w._ortfx_watches(id(self)) for w in list(_LIVE))
-            ):
-                writes.append(f"{name!r} of {type(self).__name__}")
-            return
-        old = self.__dict__.get(name, _MISSING)
-        original(self, name, value)
-        if name in self.__dict__:  # stored as a plain attribute (not a parameter or module)
-            _on_plain_attribute(self, name, old, value)
-
-    torch.nn.Module.__setattr__ = __setattr__  # type: ignore[method-assign]
-
-    # Removing a hook leaves torch's handle numbering alone: count removals for hook_clock.
-    remove = torch.utils.hooks.RemovableHandle.remove
-
-    @functools.wraps(remove)
-    def counted_remove(self: torch.utils.hooks.RemovableHandle) -> None:
-        remove(self)
-        if not torch.compiler.is_compiling():
-            _REMOVED[0] += 1
-
-    torch.utils.hooks.RemovableHandle.remove = counted_remove  # type: ignore[method-assign]
 
 
 def watch(wrapper: Watcher) -> None:
     """Start telling ``wrapper`` about registrations in its module tree (weakly held)."""
-    # One set of global hooks for the process, registered once and never removed: removing
-    # hooks from a finalizer can run while torch iterates over them.
+    # One set of torch's public global registration hooks for the process, registered once and
+    # never removed (removing hooks from a finalizer can run while torch iterates over them);
+    # they only read, and do nothing while no wrapper is alive.
     with _HOOKS_LOCK:
         if not _HOOKS:
             from torch.nn.modules import module as torch_module
@@ -438,5 +405,4 @@ def watch(wrapper: Watcher) -> None:
                     torch_module.register_module_module_registration_hook(_on_registration),
                 )
             )
-            _watch_plain_attributes()
     _LIVE.add(wrapper)

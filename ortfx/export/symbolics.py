@@ -1,7 +1,7 @@
 """TorchScript-exporter symbolics for torch ops that the exporter cannot express on its own.
 
-Registered once, before the first TorchScript export, through ``torch.onnx``'s public custom
-symbolic registry:
+Registered for the duration of each of ortfx's TorchScript exports only (:func:`table`, through
+:func:`ortfx._torch.symbolics_registered`); a user's own ``torch.onnx.export`` never sees them:
 
 - ``aten::diff`` (transformers calls it to find packed sequences when ``position_ids`` come
   without an ``attention_mask``, e.g. in ``generate(use_cache=False)``): ``Sub`` of two slices,
@@ -35,7 +35,6 @@ Imported only by the TorchScript export path (it imports torch.onnx's TorchScrip
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -45,13 +44,17 @@ import torch.onnx.symbolic_opset9 as opset9
 import torch.onnx.symbolic_opset11 as opset11
 import torch.onnx.symbolic_opset14 as opset14
 
-from ortfx import aten
+from ortfx import _torch, aten
 from ortfx.errors import OrtfxExportError
 
+# The exporter's own private helpers (looked up through ortfx._torch, which names the torch
+# version if one is gone).
+_parse_arg = _torch.symbolic_helper("_parse_arg")
+_unsqueeze = _torch.symbolic_helper("_unsqueeze_helper")
+_reduce_sum = _torch.symbolic_helper("_reducesum_helper")
+_tensor_rank = _torch.symbolic_helper("_get_tensor_rank")
+
 _INT64_MAX = 2**63 - 1
-_NEWEST_OPSET = 25  # beyond the TorchScript exporter's newest; registrations past it are unused
-_registered: list[bool] = []
-_lock = threading.Lock()
 
 
 def _const(g: Any, values: list[int]) -> Any:
@@ -237,7 +240,7 @@ def clamp_max(g: Any, x: Any, high: Any) -> Any:
 
 
 def _rounding_mode(value: Any) -> str | None:
-    return None if _is_none(value) else str(helper._parse_arg(value, "s"))
+    return None if _is_none(value) else str(_parse_arg(value, "s"))
 
 
 def _float_dtype(x: Any) -> torch.dtype | None:
@@ -384,22 +387,22 @@ def cdist(g: Any, x1: Any, x2: Any, p: Any, compute_mode: Any = None) -> Any:
     forms gave NaN gradients for coincident points (``cdist(x, x)``'s diagonal) and NaN values
     for odd p (it raised signed differences to the power p). Costs a ``[..., P, R, D]``
     intermediate, as the exporter's own form for small inputs does."""
-    order = float(helper._parse_arg(p, "f"))
+    order = float(_parse_arg(p, "f"))
     dtype = _float_dtype(x1)
     rank = x1.type().dim() if x1.type().kind() == "TensorType" else None
     if dtype is None or rank is None or not 0.0 < order < math.inf:
         return opset9.cdist(g, x1, x2, p, compute_mode)
-    rows = helper._unsqueeze_helper(g, x1, [rank - 1])
-    columns = helper._unsqueeze_helper(g, x2, [rank - 2])
+    rows = _unsqueeze(g, x1, [rank - 1])
+    columns = _unsqueeze(g, x2, [rank - 2])
     diff = g.op("Sub", rows, columns)
     if order == 1.0:
-        return helper._reducesum_helper(g, g.op("Abs", diff), axes_i=[-1], keepdims_i=0)
+        return _reduce_sum(g, g.op("Abs", diff), axes_i=[-1], keepdims_i=0)
     zero, one = _constant(g, 0, dtype), _constant(g, 1, dtype)
     if order == 2.0:
         powers = g.op("Mul", diff, diff)
     else:
         powers = g.op("Pow", g.op("Abs", diff), _constant(g, order, dtype))
-    total = helper._reducesum_helper(g, powers, axes_i=[-1], keepdims_i=0)
+    total = _reduce_sum(g, powers, axes_i=[-1], keepdims_i=0)
     positive = g.op("Greater", total, zero)
     safe = g.op("Where", positive, total, one)
     if order == 2.0:
@@ -445,8 +448,8 @@ def index_add(g: Any, x: Any, dim: Any, index: Any, source: Any, alpha: Any = No
     """``x.index_add(dim, index, source, alpha=...)`` as an ATen node: the exporter's
     ``ScatterND`` writes instead of adding where ``index`` repeats (a documented exporter
     limitation that gave silently wrong sums)."""
-    dim_value = int(helper._parse_arg(dim, "i"))
-    scale = 1.0 if alpha is None or _is_none(alpha) else float(helper._parse_arg(alpha, "f"))
+    dim_value = int(_parse_arg(dim, "i"))
+    scale = 1.0 if alpha is None or _is_none(alpha) else float(_parse_arg(alpha, "f"))
     rank = x.type().dim() if x.type().kind() == "TensorType" else None
     # ortfx's own node (ortfx.aten._index_add): the additions into zeros of x's shape, then
     # x added in the graph, so x's gradient is ORT's own.
@@ -560,7 +563,7 @@ def group_norm(g: Any, x: Any, groups: int, weight: Any, bias: Any, eps: float, 
     the exporter's own form is kept. ``groups=0``: one per channel
     (instance norm, whose channel count the graph may only know at run time).
     """
-    rank = helper._get_tensor_rank(x)
+    rank = _tensor_rank(x)
     if g.opset < 17 or rank is None or (groups == 0 and rank < 3):  # g knows the opset
         return opset9.group_norm(g, x, groups, weight, bias, eps, cudnn)
     dtype = _dtype_of(x)
@@ -572,9 +575,9 @@ def group_norm(g: Any, x: Any, groups: int, weight: Any, bias: Any, eps: float, 
     out = g.op("Reshape", normed, g.op("Shape", x))
     axes = list(range(1, rank - 1))
     if not _is_none(weight):
-        out = g.op("Mul", out, helper._unsqueeze_helper(g, weight, axes))
+        out = g.op("Mul", out, _unsqueeze(g, weight, axes))
     if not _is_none(bias):
-        out = g.op("Add", out, helper._unsqueeze_helper(g, bias, axes))
+        out = g.op("Add", out, _unsqueeze(g, bias, axes))
     return out
 
 
@@ -622,23 +625,19 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
 }
 
 
-def register() -> None:
-    """Register the symbolics above (once per process)."""
-    with _lock:
-        if _registered:
-            return
-        register_op: Any = torch.onnx.register_custom_op_symbolic  # type: ignore[attr-defined]
-        register_op("aten::diff", diff, 9)
-        register_op("aten::cumsum", cumsum, 11)
-        for name, symbolic in NAN_AND_BOUNDS.items():
-            # The exporter picks the newest registration at or below the target opset, and
-            # its own hardtanh has opset-11 and later versions: register at every opset.
-            for opset in range(9, _NEWEST_OPSET + 1):
-                register_op(name, symbolic, opset)
-        if aten.install():  # ops run by torch inside the graph need the bridge's executor
-            for name, (symbolic, opset) in ATEN_SYMBOLICS.items():
-                register_op(name, symbolic, opset)
-        else:  # never let ORT differentiate through a detach silently
-            register_op("aten::detach", _detach_without_bridge, 9)
-        register_op("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14)
-        _registered.append(True)
+def table(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
+    """The symbolics above as ``(name, symbolic, opset)`` for an export at ``opset``, for
+    :func:`ortfx._torch.symbolics_registered` (ortfx's exports only; the user's own exports
+    never see them). Each is registered at the export's own opset, which the exporter then
+    picks over its built-in versions; one that needs a newer opset is left out."""
+    entries: list[tuple[str, Callable[..., Any], int]] = [
+        ("aten::diff", diff, 9),
+        ("aten::cumsum", cumsum, 11),
+        *((name, symbolic, 9) for name, symbolic in NAN_AND_BOUNDS.items()),
+        ("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14),
+    ]
+    if aten.install():  # ops run by torch inside the graph need the bridge's executor
+        entries += [(name, symbolic, low) for name, (symbolic, low) in ATEN_SYMBOLICS.items()]
+    else:  # never let ORT differentiate through a detach silently
+        entries.append(("aten::detach", _detach_without_bridge, 9))
+    return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]

@@ -1,0 +1,282 @@
+"""Every use of torch's private API, in one place, each guarded.
+
+torch moves its internals between releases. Each private name ortfx relies on is looked up here,
+once, and a missing one either degrades to a public (slower or coarser) answer or raises a clear
+error that names the torch version; nothing else in ortfx touches a private torch name. Where a
+public spelling exists it is used instead (``torch.utils.dlpack``, ``torch.autograd.graph``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+# ---- nn.Module and Tensor internals ---------------------------------------------------------
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """The parameters ``module`` itself holds (not its children's), by local name. The dict
+    is torch's own: callers read it, and write it only to put back what they took."""
+    found: dict[str, torch.nn.Parameter | None] = module._parameters
+    return found
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The buffers ``module`` itself holds, by local name (torch's own dict, see above)."""
+    found: dict[str, torch.Tensor | None] = module._buffers
+    return found
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: it moves on every in-place change."""
+    return int(tensor._version)
+
+
+def function_class(node: Any) -> Any:
+    """The ``torch.autograd.Function`` class behind a custom Function's autograd node."""
+    return type(node)._forward_cls
+
+
+# torch's hook tables (private attribute names) of a module, and the process-wide ones.
+_MODULE_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_GLOBAL_HOOK_TABLES = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def hook_tables(module: torch.nn.Module | None) -> tuple[Mapping[int, Any], ...]:
+    """``module``'s hook dicts (forward pre-hooks, forward hooks, backward pre-hooks,
+    backward hooks), or torch's global ones for ``None``; a table torch no longer has reads as
+    empty."""
+    from torch.nn.modules import module as torch_module
+
+    owner: Any = torch_module if module is None else module
+    names = _GLOBAL_HOOK_TABLES if module is None else _MODULE_HOOK_TABLES
+    return tuple(getattr(owner, name, None) or {} for name in names)
+
+
+def hook_handles_made() -> int:
+    """How many hook handles torch has given out in this process (each registration of a
+    module, tensor or global hook takes the next number)."""
+    return int(torch.utils.hooks.RemovableHandle.next_id)
+
+
+def batch_norm_base() -> type[torch.nn.Module]:
+    """The (private) base class of BatchNorm1d/2d/3d, whose ``forward`` export replaces."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
+# ---- autograd engine and global modes -------------------------------------------------------
+
+QUEUE_CALLBACK_MISSING = (
+    "this torch ({version}) no longer offers torch.autograd.Variable._execution_engine"
+    ".queue_callback, which ortfx uses to run code once the running backward pass has finished "
+    "(ZeRO-3 releases gathered parameters there); please report this with your torch version."
+)
+
+
+def queue_after_backward(callback: Callable[[], Any]) -> None:
+    """Run ``callback()`` when the backward pass now running has finished, after every
+    gradient accumulation and every callback queued before it. Call it from inside backward."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise RuntimeError(QUEUE_CALLBACK_MISSING.format(version=torch.__version__))
+    queue(callback)
+
+
+WILL_EXECUTE_MISSING = (
+    "this torch ({version}) no longer offers torch._C._will_engine_execute_node, which ortfx "
+    "uses to tell a full backward from torch.autograd.grad / backward(inputs=...) under "
+    "Options(enable_mem_efficient_grad_management=True); turn that option off, and please "
+    "report this with your torch version."
+)
+
+
+def engine_accumulates(leaf: torch.Tensor) -> bool:
+    """During a backward: whether torch's engine will run ``leaf``'s AccumulateGrad (False
+    when the backward was restricted to other tensors: ``autograd.grad``, ``inputs=``)."""
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    if check is None:
+        raise RuntimeError(WILL_EXECUTE_MISSING.format(version=torch.__version__))
+    return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))
+
+
+# Looked up once: the question is asked on every call.
+_FUNCTORCH_LEVEL = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+
+
+def in_functorch_transform() -> bool:
+    """Whether this call runs inside a torch.func transform (vmap, grad, ...): torch's
+    private level query; without it, never (torch's own error then speaks)."""
+    level = _FUNCTORCH_LEVEL
+    return level is not None and level() is not None
+
+
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def any_autocast() -> bool:
+    """Whether torch.autocast is on for any device type (torch's private one-call question;
+    without it, the public per-device checks answer, about ten times slower)."""
+    check = _ANY_AUTOCAST
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda", "xpu", "mps"))
+
+
+# ---- the TorchScript tracer -----------------------------------------------------------------
+
+TRACING_STATE_MISSING = (
+    "this torch ({version}) no longer offers torch._C._get_tracing_state/_set_tracing_state, "
+    "which ortfx uses to export custom autograd Functions without tracing their forward; "
+    "please report this with your torch version."
+)
+
+
+def tracing_state_access() -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """torch's getter and setter of the TorchScript tracer's state (this thread's)."""
+    get = getattr(torch._C, "_get_tracing_state", None)
+    put = getattr(torch._C, "_set_tracing_state", None)
+    if get is None or put is None:
+        raise RuntimeError(TRACING_STATE_MISSING.format(version=torch.__version__))
+    return get, put
+
+
+def trace_value_of(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` a value in the running trace (a constant, for a tensor the tracer did
+    not see being made: the tracer was suspended), before autograd makes it require grad."""
+    get = getattr(torch._C, "_get_value_trace", None)
+    if get is None:
+        raise RuntimeError(TRACING_STATE_MISSING.format(version=torch.__version__))
+    get(tensor)
+
+
+def tracer_warning() -> type[Warning]:
+    """TorchScript's TracerWarning, imported on use: ``import ortfx`` must survive a torch
+    without TorchScript, where the dynamo exporter takes over."""
+    from torch.jit._trace import TracerWarning  # the public alias is untyped
+
+    return TracerWarning
+
+
+def torchscript_exporter_available() -> bool:
+    """Whether this torch still ships the TorchScript exporter (moved in 2.9, deprecated)."""
+    try:
+        tracer_warning()
+        importlib.import_module("torch.onnx._internal.torchscript_exporter")
+    except ImportError:
+        try:  # before torch 2.9 the exporter lived in torch.onnx.utils
+            return hasattr(importlib.import_module("torch.onnx.utils"), "_export")
+        except ImportError:
+            return False
+    return True
+
+
+SYMBOLIC_HELPER_MISSING = (
+    "this torch ({version}) no longer offers torch.onnx.symbolic_helper.{name}, which ortfx's "
+    "TorchScript symbolics use; use Options(exporter='dynamo'), and please report this with "
+    "your torch version."
+)
+
+
+def symbolic_helper(name: str) -> Callable[..., Any]:
+    """A private helper of the TorchScript exporter's ``torch.onnx.symbolic_helper``."""
+    import torch.onnx.symbolic_helper as helper
+
+    found = getattr(helper, name, None)
+    if found is None:
+
+        def missing(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(SYMBOLIC_HELPER_MISSING.format(version=torch.__version__, name=name))
+
+        return missing
+    function: Callable[..., Any] = found
+    return function
+
+
+# The code object of torch.autograd.Function.apply: a profile hook recognises its frames.
+FUNCTION_APPLY_CODE: types.CodeType = torch.autograd.Function.__dict__["apply"].__func__.__code__
+
+
+# ---- the TorchScript exporter's symbolic registry -------------------------------------------
+
+
+def _symbolic_registry() -> Any:
+    """torch.onnx's registry of TorchScript symbolics (its module moved in torch 2.9)."""
+    for name in (
+        "torch.onnx._internal.torchscript_exporter.registration",
+        "torch.onnx._internal.registration",
+    ):
+        try:
+            return importlib.import_module(name).registry
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def _overrides(group: Any) -> dict[int, Any] | None:
+    """A registry group's custom (user-registered) functions by opset, or None when torch's
+    registry no longer looks as read here."""
+    functions = getattr(group, "_functions", None)
+    found = getattr(functions, "_overrides", None)
+    return found if isinstance(found, dict) else None
+
+
+@contextlib.contextmanager
+def symbolics_registered(table: Sequence[tuple[str, Callable[..., Any], int]]) -> Iterator[None]:
+    """Register ``(name, symbolic, opset)`` custom symbolics for the block, then put torch's
+    registry back exactly as it was: a symbolic someone else registered for the same op and
+    opset comes back, a name ortfx introduced disappears. Call it holding ortfx's export lock
+    (torch's exporter keeps process-wide state of its own: one export at a time).
+
+    Without the registry internals read here (a future torch), the public calls register and
+    unregister: exact unless another library registered a custom symbolic for one of the same
+    ops, which would then not come back (docs/architecture.md, process-wide effects).
+    """
+    register: Any = torch.onnx.register_custom_op_symbolic  # type: ignore[attr-defined]
+    unregister: Any = torch.onnx.unregister_custom_op_symbolic  # type: ignore[attr-defined]
+    tables = getattr(_symbolic_registry(), "_registry", None)
+    undo: list[Callable[[], None]] = []
+    try:
+        for name, symbolic, opset in table:
+            undo.append(_undo_registration(tables, name, opset, unregister))
+            register(name, symbolic, opset)
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+def _undo_registration(
+    tables: Any, name: str, opset: int, unregister: Callable[[str, int], None]
+) -> Callable[[], None]:
+    """What puts the registry back after ``name`` is registered at ``opset``."""
+    if not isinstance(tables, dict):
+        return lambda: unregister(name, opset)
+    group = tables.get(name)
+    if group is None:
+        return lambda: tables.pop(name, None)  # ortfx introduced the name: gone again
+    overrides = _overrides(group)
+    if overrides is None:
+        return lambda: unregister(name, opset)
+    earlier = overrides.get(opset)
+    functions = group._functions
+    if earlier is None:
+        return lambda: functions.remove_override(opset)
+    return lambda: functions.override(opset, earlier)

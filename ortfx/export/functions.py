@@ -1,0 +1,216 @@
+"""Custom ``torch.autograd.Function``s in an export: each becomes an ORT ``PythonOp`` node.
+
+The TorchScript exporter keeps a Function as ``prim::PythonOp`` (``autograd_inlining=False``);
+:func:`pythonop_symbolic`, registered for ortfx's exports only, writes it as
+``com.microsoft::PythonOp`` with the attributes ORT 1.19 reads. Each Function class gets a graph
+name (its qualified name, ``#n`` for a second class of the same name), under which
+:mod:`ortfx.runtime.pythonop` registers it with ORT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import onnx
+import torch
+
+from ortfx import _torch
+from ortfx.errors import OrtfxExportError
+from ortfx.function_names import function_graph_name
+
+# Non-numeric constant arguments reach ORT as object addresses: keep the objects alive.
+_CONSTANTS: dict[int, Any] = {}
+
+# ONNX element types of the TorchScript scalar types a PythonOp input or output can have.
+_ONNX_TYPES = {
+    "Float": onnx.TensorProto.FLOAT,
+    "Double": onnx.TensorProto.DOUBLE,
+    "Half": onnx.TensorProto.FLOAT16,
+    "BFloat16": onnx.TensorProto.BFLOAT16,
+    "Long": onnx.TensorProto.INT64,
+    "Int": onnx.TensorProto.INT32,
+    "Short": onnx.TensorProto.INT16,
+    "Char": onnx.TensorProto.INT8,
+    "Byte": onnx.TensorProto.UINT8,
+    "Bool": onnx.TensorProto.BOOL,
+}
+
+
+def _is_custom(cls: type) -> bool:
+    # ortfx's own Functions (a nested ORTModule's) are not the user's.
+    return not cls.__module__.startswith("ortfx.")
+
+
+# Per thread, the running exports' records of the custom Functions they met (innermost last).
+_RECORDING = threading.local()
+
+
+def record(cls: type) -> None:
+    """Note that the running export on this thread met the Function class ``cls``."""
+    stack: list[dict[str, type]] = getattr(_RECORDING, "stack", [])
+    if stack and _is_custom(cls) and not _inlined(cls):
+        stack[-1].setdefault(function_graph_name(cls), cls)
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[dict[str, type]]:
+    """Collect the custom Function classes this thread's export meets (graph name -> class)."""
+    found: dict[str, type] = {}
+    stack: list[dict[str, type]] = getattr(_RECORDING, "stack", None) or []
+    _RECORDING.stack = stack
+    stack.append(found)
+    try:
+        yield found
+    finally:
+        stack.pop()
+
+
+# ---- Functions written as plain ops instead ---------------------------------------------------
+
+
+def _inlined(cls: type) -> bool:
+    """Library Functions whose forward is a standard op, written as that op: DeepSpeed's
+    ZeRO-3 linear (``F.linear`` replaced process-wide by DeepSpeed) exports as a plain linear,
+    so ortfx never has to put ``F.linear`` back while it exports."""
+    return cls.__module__ == "deepspeed.runtime.zero.linear" and cls.__name__.startswith(
+        "LinearFunctionForZero"
+    )
+
+
+def _linear(g: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    """``F.linear(x, weight, bias)`` as the exporter's own symbolic writes it (Gemm for a
+    2-d input with bias, MatMul (+ Add) otherwise): the graph of a plain ``F.linear``."""
+    import torch.onnx.symbolic_opset9 as opset9
+
+    if bias is None:
+        return opset9.matmul(g, x, opset9.t(g, weight))
+    return opset9.linear(g, x, weight, bias)
+
+
+# ---- the prim::PythonOp symbolic ---------------------------------------------------------------
+
+
+def pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
+    """``prim::PythonOp`` -> ``com.microsoft::PythonOp`` with the attributes ORT 1.19 reads."""
+    node = g.original_node
+    cls = node.pyobj().__self__
+    cconv = node.cconv()
+    if _inlined(cls):
+        return _linear(g, *(a for a, c in zip(args, cconv, strict=True) if c == "d"))
+    record(cls)
+    tensors: list[Any] = []
+    attributes: dict[str, Any] = {"input_tensor_types_i": [], "input_tensor_ranks_i": []}
+
+    def add(kind: str, value: Any, position: int, suffix: str = "i") -> None:
+        attributes.setdefault(f"input_{kind}s_{suffix}", []).append(value)
+        attributes.setdefault(f"input_{kind}_positions_i", []).append(position)
+
+    def add_tuple(kind: str, values: list[Any], position: int, suffix: str) -> None:
+        begins = attributes.setdefault(f"input_{kind}_tuple_begins_i", [])
+        begins.append(len(attributes.get(f"input_{kind}_tuples_{suffix}", [])))
+        attributes.setdefault(f"input_{kind}_tuples_{suffix}", []).extend(values)
+        attributes.setdefault(f"input_{kind}_tuple_positions_i", []).append(position)
+
+    for position, (arg, convention) in enumerate(zip(args, cconv, strict=True)):
+        if convention == "d":
+            tensors.append(arg)
+            attributes["input_tensor_types_i"].append(_onnx_type(arg, cls))
+            attributes["input_tensor_ranks_i"].append(arg.type().dim())
+        elif isinstance(arg, bool):  # before int: bool is an int
+            add("bool_scalar", int(arg), position)
+        elif isinstance(arg, int):
+            add("int_scalar", arg, position)
+        elif isinstance(arg, float):
+            add("float_scalar", arg, position, "f")
+        elif isinstance(arg, tuple) and arg and all(type(v) is bool for v in arg):
+            add_tuple("bool", [int(v) for v in arg], position, "i")
+        elif isinstance(arg, tuple) and arg and all(type(v) is int for v in arg):
+            add_tuple("int", list(arg), position, "i")
+        elif isinstance(arg, tuple) and arg and all(type(v) is float for v in arg):
+            add_tuple("float", list(arg), position, "f")
+        else:
+            # str, None, mixed tuples, other objects: ORT passes the object itself.
+            _CONSTANTS[id(arg)] = arg
+            add("pointer_scalar", id(arg), position)
+    outputs = list(node.outputs())
+    made = g.op(
+        "com.microsoft::PythonOp",
+        *tensors,
+        outputs=len(outputs),
+        func_name_s=function_graph_name(cls),
+        input_convention_s=cconv,
+        output_tensor_types_i=[_onnx_type(o, cls) for o in outputs],
+        output_tensor_ranks_i=[o.type().dim() for o in outputs],
+        # ortfx decides per run whether a backward follows (see runtime/pythonop.py).
+        training_mode_i=1,
+        **attributes,
+    )
+    # The traced outputs' types: the exporter's shape inference has none of its own for a
+    # custom-domain op (it would warn on stderr at every export).
+    for value, traced in zip(made if len(outputs) > 1 else (made,), outputs, strict=True):
+        value.setType(traced.type())
+    return made
+
+
+def _onnx_type(value: Any, cls: type) -> int:
+    scalar = value.type().scalarType()
+    if scalar not in _ONNX_TYPES:
+        raise OrtfxExportError(
+            f"the autograd.Function {cls.__qualname__} takes or returns a tensor of type "
+            f"{scalar}, which ORT's PythonOp cannot carry; supported: {', '.join(_ONNX_TYPES)}."
+        )
+    return _ONNX_TYPES[scalar]
+
+
+# ---- Function bodies the tracer cannot trace ---------------------------------------------------
+
+CONSTANT_NEEDS_GRAD = "Cannot insert a Tensor that requires grad as a constant"
+
+
+@contextlib.contextmanager
+def bodies_untraced() -> Iterator[None]:
+    """Run each custom Function's forward with the TorchScript tracer suspended (an export
+    retried after its trace of a Function body failed).
+
+    The graph keeps the Function as a PythonOp that calls it at run time, so its traced body is
+    never used; tracing it failed on what eager PyTorch allows in a forward, such as a
+    parameter the Function closes over or an ORTModule it calls ("Cannot insert a Tensor that
+    requires grad as a constant"). A profile hook (this thread only) sees the forward start
+    under ``Function.apply``, however the user bound ``apply``.
+    """
+    get, put = _torch.tracing_state_access()
+    suspended: dict[int, Any] = {}  # id(forward frame) -> the tracing state to restore
+    previous = sys.getprofile()
+
+    def hook(frame: types.FrameType, event: Any, arg: Any) -> None:
+        if event == "call":
+            caller = frame.f_back
+            called_by_apply = caller is not None and caller.f_code is _torch.FUNCTION_APPLY_CODE
+            if called_by_apply and frame.f_code.co_name == "forward":
+                suspended[id(frame)] = get()
+                put(None)
+        elif event == "return" and id(frame) in suspended:
+            put(suspended.pop(id(frame)))
+            # The Function's outputs, made while the tracer was suspended, get a (dead)
+            # value now, while they do not yet require grad: the tracer looks each up as
+            # apply returns, and refuses to make a constant of one that requires grad.
+            returned = arg if isinstance(arg, tuple) else (arg,)
+            for value in returned:
+                if isinstance(value, torch.Tensor):
+                    _torch.trace_value_of(value)
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+        for state in suspended.values():  # a forward that raised: restore the outermost
+            put(state)
+            break

@@ -1,0 +1,340 @@
+"""What the forward reads while traced, beyond its arguments, parameters and buffers.
+
+The trace runs the forward once with the call's grad mode (set on the exporting thread only;
+torch keeps grad mode per thread), so ``torch.is_grad_enabled()`` and the autograd attributes of
+the tensors it computes answer as in eager. The graph, though, serves later calls: one that
+read them is keyed on what it read (the requires_grad flags, grad mode), and reads no key can
+hold are refused. Everything is watched on the exporting thread only and for the export's
+duration: a ``TorchFunctionMode`` (torch keeps its mode stack per thread) sees the attribute
+reads, ``register_hook`` and the ops of the forward's own ``torch.no_grad()`` regions; a profile
+hook (``sys.setprofile`` is per thread too) sees ``torch.is_grad_enabled()`` calls and, for
+exporters that inline them, custom ``Function.apply`` calls. No class or module attribute of
+torch is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import optree
+import torch
+
+from ortfx import _torch, io
+from ortfx.export import functions
+
+GRADIENT_HOOK_IN_FORWARD = (
+    "the forward of {module} registers a gradient hook on an intermediate tensor "
+    "(Tensor.register_hook at {where}); ONNX Runtime computes the backward of the exported "
+    "graph without it, so the gradients would differ from PyTorch's. Write the change to the "
+    "gradient as a custom torch.autograd.Function (ortfx runs it inside the graph with its "
+    "backward), or run the module in PyTorch (the default fallback policy does)."
+)
+INTERMEDIATE_REQUIRES_GRAD = (
+    "the forward of {module} reads {attribute} of {what} ({where}); the dynamo exporter traces "
+    "copies that read as tensors without gradient, while in PyTorch the tensor can require "
+    "grad, so the graph could take another branch than PyTorch. Read torch.is_grad_enabled() "
+    "instead, export with Options(exporter='torchscript') (it traces with autograd as called), "
+    "or run the module in PyTorch (the default fallback policy does)."
+)
+AN_INPUT_READ = (
+    "the forward of {module} reads {attribute} of an input ({where}): whether the caller's "
+    "tensor is a leaf, or has a grad_fn, depends on how the caller made it, which is not part "
+    "of what ortfx keys its graphs on, so the graph could take another branch than PyTorch on "
+    "a later call. Read requires_grad instead, or run the module in PyTorch (the default "
+    "fallback policy does)."
+)
+COMPUTED_OR_COPY = "a tensor it computed or an input"
+MADE_TO_REQUIRE_GRAD = (
+    "the forward of {module} makes a tensor require grad ({where}) in a way ORT's graph cannot "
+    "follow: the tensor is one of the module's inputs (the caller's tensor would then require "
+    "grad and get a .grad), or nothing else in the call requires grad (PyTorch's outputs would "
+    "then require grad, the graph's would not). Make it an nn.Parameter of the module, or run "
+    "the module in PyTorch (the default fallback policy does)."
+)
+
+# Code whose reads are bookkeeping, not the model's branches (by module name): autograd's and
+# the exporters' (under torch), and ortfx's own.
+_BOOKKEEPING = ("torch.", "ortfx.")
+_AUTOGRAD_ATTRIBUTES = ("requires_grad", "grad_fn", "is_leaf")
+
+
+def _inherited(name: str) -> Any:
+    """``torch.Tensor``'s own ``name`` (a C descriptor or method), found through the public
+    class's MRO, not by a private class name."""
+    return next(vars(k)[name] for k in torch.Tensor.__mro__ if name in vars(k))
+
+
+# id(getset descriptor) -> attribute name: a torch function call on ``descriptor.__get__`` or
+# ``__set__`` is a read or a write of that attribute.
+_DESCRIPTORS = {id(_inherited(name)): name for name in _AUTOGRAD_ATTRIBUTES}
+_REQUIRES_GRAD_ = _inherited("requires_grad_")
+_REGISTER_HOOK = torch.Tensor.register_hook
+_NOT_STOPPED = frozenset({torch.Tensor.detach, _REQUIRES_GRAD_})
+_IS_GRAD_ENABLED = torch.is_grad_enabled
+# Tensor -> Python value conversions, by what they give (torch's own words in its tracer's
+# warnings); a traced graph holds the value they gave as a constant.
+_CONVERSIONS: dict[Any, str] = {
+    _inherited("__bool__"): "boolean",
+    _inherited("__int__"): "integer",
+    _inherited("__float__"): "float",
+    _inherited("__index__"): "index",
+    _inherited("item"): "number",
+    _inherited("tolist"): "list",
+    _inherited("numpy"): "NumPy array",
+    torch.Tensor.__len__: "len",
+    torch.Tensor.__iter__: "iteration",
+}
+
+# Set while ortfx's own code runs inside the trace (e.g. the BatchNorm statistics update under
+# no_grad): its no-grad regions are ortfx's, not the user's.
+OWN_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("ortfx_own_code", default=False)
+
+
+# Set while the user's forward runs inside an export (Watch.forward): warnings raised then are
+# the forward's (shown, as in eager); the rest of an export's warnings are the exporters' own.
+IN_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("ortfx_in_forward", default=False)
+
+
+@contextlib.contextmanager
+def own_code() -> Iterator[None]:
+    token = OWN_CODE.set(True)
+    try:
+        yield
+    finally:
+        OWN_CODE.reset(token)
+
+
+def line_of(frame: types.FrameType) -> str:
+    """``file:line`` of a frame, for messages that point at the user's code."""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _user_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The first frame outside torch (a torch function's Python dispatch sits between)."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
+        frame = frame.f_back
+    return frame
+
+
+@attrs.define
+class Reads:
+    """What the forward read while traced (:func:`watched`)."""
+
+    leaves: bool = False  # the graph depends on the call's requires_grad flags
+    mode: bool = False  # ... and on grad mode (also: torch.is_grad_enabled() was asked)
+    # (attribute, file:line, what was read): a read the trace cannot answer as eager
+    refused: tuple[str, str, str] | None = None
+    hooks: list[str] = attrs.Factory(list)  # file:line of each register_hook in the forward
+    # (kind, file, line) of each tensor the forward turned into a Python value while the
+    # TorchScript tracer ran: the graph holds the traced value as a constant.
+    conversions: list[tuple[str, str, int]] = attrs.Factory(list)
+    functions: dict[str, type] = attrs.Factory(dict)  # custom Functions met (graph names)
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    """The exporting thread's view of the forward's tensor operations while traced."""
+
+    def __init__(
+        self,
+        reads: Reads,
+        *,
+        grad_enabled: bool,
+        inputs: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        dynamo: bool,
+        any_grad: bool,
+    ) -> None:
+        super().__init__()
+        self.reads = reads
+        self.grad_enabled = grad_enabled
+        self.given = {id(t) for t in inputs}
+        self.known = self.given | {id(t) for t in buffers}
+        self.dynamo = dynamo
+        self.any_grad = any_grad
+        # The dynamo exporter traces copies of inputs and parameters, which all read
+        # requires_grad False: a False answer cannot be trusted when some flag is set.
+        self.unsure = dynamo and any_grad
+        # The forward's own no_grad regions stop gradients (TorchScript: the tracer records
+        # the detach this inserts; the dynamo exporter keeps no such record).
+        self.stops = grad_enabled and not dynamo
+        self.tracing = _torch.tracing_state_access()[0] if not dynamo else _never
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        attribute = _DESCRIPTORS.get(id(getattr(func, "__self__", None)))
+        if attribute is not None:
+            if func.__name__ == "__get__":
+                value = func(*args, **kwargs)
+                self._read(attribute, args[0], value, sys._getframe(1))
+                return value
+            if attribute == "requires_grad" and len(args) > 1 and args[1]:
+                self._made_to_require_grad(args[0], sys._getframe(1))
+            return func(*args, **kwargs)
+        kind = _CONVERSIONS.get(func)
+        if kind is not None and self.tracing() is not None:
+            where = _user_frame(sys._getframe(1))
+            if where is not None and not where.f_globals.get("__name__", "").startswith(
+                _BOOKKEEPING
+            ):
+                self.reads.conversions.append((kind, where.f_code.co_filename, where.f_lineno))
+        if func is _REQUIRES_GRAD_ and (
+            args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+        ):
+            self._made_to_require_grad(args[0], sys._getframe(1))
+        elif func is _REGISTER_HOOK and self.grad_enabled:
+            # ORT's backward cannot run it: recorded (the export is refused), not registered
+            # (without grad it raises as in eager, below).
+            where = _user_frame(sys._getframe(1))
+            self.reads.hooks.append(line_of(where) if where is not None else "?")
+            return _NoHandle()
+        out = func(*args, **kwargs)
+        if self.stops and not torch.is_grad_enabled() and not OWN_CODE.get():
+            out = self._stopped(func, args, kwargs, out)
+        return out
+
+    def _stopped(self, func: Any, args: Sequence[Any], kwargs: Any, out: Any) -> Any:
+        """An op of the forward's own ``torch.no_grad()`` region that read a tensor requiring
+        grad gives its outputs through ``detach``, which the TorchScript exporter keeps as a
+        gradient stop: eager gives such outputs no gradient, and ORT would differentiate
+        through them."""
+        if func in _NOT_STOPPED or getattr(func, "__name__", "").endswith("_"):
+            return out  # in-place: the result is the input itself
+        given: list[Any] = optree.tree_leaves(
+            (args, kwargs),  # type: ignore[arg-type]
+            namespace=io.NAMESPACE,
+        )
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in given):
+            return out
+        return optree.tree_map(_detached, out, namespace=io.NAMESPACE)
+
+    def _made_to_require_grad(self, tensor: Any, caller: types.FrameType) -> None:
+        """The forward makes a tensor a new autograd leaf (wav2vec2 does, for gradient
+        checkpointing). What it computes from it then depends on the flags and grad mode, as
+        in eager, except where ORT's graph cannot follow: the caller's own input would change,
+        or nothing else requires grad (refused). torch's and ortfx's own code do not count."""
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            return  # already does: nothing changes
+        where = _user_frame(caller)
+        if where is None or where.f_globals.get("__name__", "").startswith(_BOOKKEEPING):
+            return
+        if id(tensor) in self.given or not self.any_grad:
+            self._refuse("requires_grad", where, "made")
+            return
+        self.reads.leaves = self.reads.mode = True
+        self.unsure = self.unsure or self.dynamo  # the dynamo exporter's copies cannot say
+
+    def _read(self, name: str, tensor: Any, value: Any, caller: types.FrameType) -> None:
+        if caller.f_globals.get("__name__", "").startswith(_BOOKKEEPING):
+            return  # the exporter's, autograd's, torch's and ortfx's bookkeeping
+        reads = self.reads
+        if name != "requires_grad" and id(tensor) in self.given:
+            self._refuse(name, caller, "input")
+            return
+        if name == "requires_grad" and (
+            id(tensor) in self.known or isinstance(tensor, torch.nn.Parameter)
+        ):
+            reads.leaves = True  # answers as in eager, for these flags
+            return
+        if self.dynamo and name == "requires_grad" and value:
+            # A copy that requires grad: eager's tensor does too, for these flags and mode.
+            reads.leaves = reads.mode = True
+            return
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            return  # never requires grad, in eager either
+        if self.unsure:
+            self._refuse(name, caller, COMPUTED_OR_COPY)
+        else:  # a computed tensor: as in eager, for these flags and this grad mode
+            reads.leaves = reads.mode = True
+
+    def _refuse(self, name: str, caller: types.FrameType, what: str) -> None:
+        if self.reads.refused is None:
+            self.reads.refused = (name, line_of(caller), what)
+
+
+def _never() -> Any:
+    return None
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach()
+    return value
+
+
+class _NoHandle:
+    """What ``register_hook`` returns while traced: removing it does nothing."""
+
+    def remove(self) -> None:
+        pass
+
+
+class Watch:
+    """One export's watch: :meth:`forward` is entered around the user's forward only (inside
+    the traced call, so that the mode is the innermost one even under ``torch.export``'s
+    own), and :attr:`reads` holds what it saw."""
+
+    def __init__(self, mode: _Watch, dynamo: bool) -> None:
+        self.mode, self.dynamo = mode, dynamo
+        self.reads = mode.reads
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        reads, dynamo = self.reads, self.dynamo
+        previous = sys.getprofile()
+
+        def profile(frame: types.FrameType, event: Any, arg: Any) -> None:
+            if event == "c_call":
+                if arg is _IS_GRAD_ENABLED and not frame.f_globals.get("__name__", "").startswith(
+                    _BOOKKEEPING
+                ):
+                    reads.mode = True  # the forward branches on grad mode, as called
+            elif dynamo and event == "call" and frame.f_code is _torch.FUNCTION_APPLY_CODE:
+                # The dynamo exporter inlines Functions silently: see each apply, however
+                # bound.
+                cls = frame.f_locals.get("cls")
+                if isinstance(cls, type):
+                    functions.record(cls)
+            if previous is not None:
+                previous(frame, event, arg)
+
+        sys.setprofile(profile)
+        token = IN_FORWARD.set(True)
+        try:
+            with self.mode:
+                yield
+        finally:
+            IN_FORWARD.reset(token)
+            sys.setprofile(previous)
+
+
+@contextlib.contextmanager
+def watched(
+    *,
+    grad_enabled: bool,
+    inputs: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    dynamo: bool,
+    any_grad: bool,
+) -> Iterator[Watch]:
+    """For one export: the call's grad mode on this thread, the custom Functions met recorded,
+    and a :class:`Watch` for the forward (see the module docstring)."""
+    with functions.recorded() as found, torch.set_grad_enabled(grad_enabled):
+        reads = Reads(functions=found)  # filled as the export meets them
+        mode = _Watch(
+            reads,
+            grad_enabled=grad_enabled,
+            inputs=inputs,
+            buffers=buffers,
+            dynamo=dynamo,
+            any_grad=any_grad,
+        )
+        yield Watch(mode, dynamo)

@@ -1,0 +1,255 @@
+"""What an export changes around the forward it traces, each undone when it ends.
+
+Export runs the user's forward once. It must leave the module, the RNG streams and the rest of
+the process as it found them, and while it runs, only the exporting thread may see a change:
+every replacement here answers other threads with torch's own behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ortfx import _torch
+from ortfx.errors import OrtfxExportError
+from ortfx.export.reads import own_code
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Export runs the module; the user's Python, numpy and torch RNG streams must not move."""
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+PARAMETER_CHANGED_IN_EXPORT = (
+    "the forward of {module} changes parameter {name!r} in place (e.g. under torch.no_grad()); "
+    "ortfx ran that forward once to export it, and the graph applies the change again on every "
+    "call, so the parameter would be changed twice on this call. ortfx put back its value from "
+    "before the export where it could not: make the change outside forward (e.g. after "
+    "optimizer.step()), or call the module outside ortfx."
+)
+
+
+@contextlib.contextmanager
+def state_preserved(module: torch.nn.Module) -> Iterator[None]:
+    """Export runs the forward: buffers it changes (in place or by replacing the tensor) are
+    put back afterwards, so export never changes the module; a buffer that an update under
+    grad gave a ``grad_fn`` becomes the plain tensor it was. Parameters are not copied (that
+    would double a large model's memory at export): one changed in place raises."""
+    buffers = [
+        (m, name, t, _torch.version(t), t.detach().clone(), t.requires_grad, t.grad_fn is None)
+        for m in module.modules()
+        for name, t in _torch.own_buffers(m).items()
+        if t is not None
+    ]
+    params = [
+        (m, name, p, _torch.version(p))
+        for m in module.modules()
+        for name, p in _torch.own_parameters(m).items()
+        if p is not None
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, t, seen, saved, requires_grad, leaf in buffers:
+                _torch.own_buffers(m)[name] = t
+                if _torch.version(t) != seen:
+                    if leaf and t.grad_fn is not None:
+                        t.detach_()  # in place: the module's own object, not a new one
+                    t.copy_(saved)
+                    t.requires_grad_(requires_grad)
+            for m, name, p, _ in params:
+                _torch.own_parameters(m)[name] = p
+    changed = [n for m, n, p, seen in params if _torch.version(p) != seen]
+    if changed:
+        raise OrtfxExportError(
+            PARAMETER_CHANGED_IN_EXPORT.format(module=type(module).__name__, name=changed[0])
+        )
+
+
+# ---- BatchNorm: the running statistics as ops of the graph --------------------------------------
+
+
+def _batch_norm_train(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` in train mode with the running statistics updated by explicit
+    tensor ops, which the exporter keeps in the graph (its own BatchNormalization would update
+    them with the biased variance, and ``momentum=None`` is a Python value computed from
+    ``num_batches_tracked``, which a trace would bake in)."""
+    assert self.num_batches_tracked is not None
+    # The statistics carry no gradient (torch's kernel updates them outside autograd); ortfx's
+    # own no_grad, not a region of the user's that stops gradients.
+    with torch.no_grad(), own_code():
+        self.num_batches_tracked.add_(1)
+        factor = (1.0 / self.num_batches_tracked) if self.momentum is None else self.momentum
+        dims = [0, *range(2, x.dim())]
+        self.running_mean.mul_(1 - factor).add_(x.mean(dims) * factor)
+        self.running_var.mul_(1 - factor).add_(x.var(dims, unbiased=True) * factor)
+    channels = x.shape[1]
+    # Placeholder statistics: in training mode the output uses the batch's own.
+    mean, var = torch.zeros(channels, dtype=x.dtype), torch.ones(channels, dtype=x.dtype)
+    out: torch.Tensor = torch.nn.functional.batch_norm(
+        x, mean, var, self.weight, self.bias, True, 0.0, self.eps
+    )
+    return out
+
+
+def _batch_norm_eval(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` with running statistics, as plain arithmetic: ORT's training
+    graph turns a BatchNormalization node into its training form, which would normalize an
+    eval-mode call with gradients by the batch's statistics instead of the running ones."""
+    shape = [1, -1, *([1] * (x.dim() - 2))]
+    scale = torch.rsqrt(self.running_var + self.eps)
+    y: torch.Tensor = (x - self.running_mean.reshape(shape)) * scale.reshape(shape)
+    if self.weight is not None:
+        y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+    return y
+
+
+def _on_this_thread(
+    body: Callable[..., torch.Tensor], module: torch.nn.Module, original: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``body`` for the exporting thread; torch's own forward for any other."""
+    exporting = threading.get_ident()
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == exporting:
+            return body(module, *args, **kwargs)
+        return original(*args, **kwargs)
+
+    return forward
+
+
+@contextlib.contextmanager
+def batch_norm_updates_in_graph(module: torch.nn.Module) -> Iterator[None]:
+    """Export each BatchNorm with running statistics through :func:`_batch_norm_train` (train
+    mode) or :func:`_batch_norm_eval` (eval mode); set on the instances for the export only,
+    and for the exporting thread only (another thread calling the same module runs torch's)."""
+    base = _torch.batch_norm_base()
+    patched = [
+        m
+        for m in module.modules()
+        if type(m).forward is base.forward
+        and m.running_mean is not None
+        and (m.track_running_stats or not m.training)
+        and "forward" not in vars(m)
+    ]
+    for m in patched:
+        body = _batch_norm_train if m.training else _batch_norm_eval
+        # Straight into the instance dict: no module __setattr__ bookkeeping for ortfx's own.
+        vars(m)["forward"] = _on_this_thread(body, m, types.MethodType(type(m).forward, m))
+    try:
+        yield
+    finally:
+        for m in patched:
+            vars(m).pop("forward", None)
+
+
+# ---- torch.utils.checkpoint: the checkpointed function traced as plain code ---------------------
+
+# The keywords torch.utils.checkpoint.checkpoint takes for itself; the rest go to the function.
+_CHECKPOINT_KEYWORDS = frozenset(
+    {
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "respect_saved_tensors_hooks",
+    }
+)
+
+
+def _rebind(
+    namespace: dict[str, Any], original: Any, replacement: Any
+) -> list[tuple[dict[str, Any], str, Any]]:
+    """Point every name in ``namespace`` bound to ``original`` (or a ``functools.partial`` of
+    it, as transformers stores) at ``replacement``; return what to put back."""
+    undo = []
+    for name, value in list(namespace.items()):
+        if value is original:
+            namespace[name] = replacement
+        elif isinstance(value, functools.partial) and value.func is original:
+            namespace[name] = functools.partial(replacement, *value.args, **value.keywords)
+        else:
+            continue
+        undo.append((namespace, name, value))
+    return undo
+
+
+@contextlib.contextmanager
+def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
+    """Trace the function inside ``torch.utils.checkpoint.checkpoint`` as plain code.
+
+    The reentrant variant is an autograd.Function the exporter cannot express; recompute is
+    ORT's job (the memory optimizer). Yields a one-item list counting the calls.
+
+    Counted through public names only (torch moves checkpoint's internals between releases):
+    ``checkpoint`` itself, every binding of it that ``module``'s code holds (a module-level
+    ``from torch.utils.checkpoint import checkpoint`` in the files defining its submodules'
+    classes, a ``functools.partial`` of it stored on a submodule), and ``CheckpointFunction``,
+    which the original reentrant variant still reaches from any other binding. The bindings
+    are swapped for the export's duration; a call from any other thread goes to torch's own.
+    """
+    from torch.utils import checkpoint as ckpt
+
+    calls = [0]
+    public, reentrant = ckpt.checkpoint, ckpt.CheckpointFunction
+    exporting = threading.get_ident()
+
+    def direct(function: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != exporting:
+            if function is None:
+                return public(**kwargs)
+            return public(function, *args, **kwargs)
+        if function is None:  # the decorator form, checkpoint(use_reentrant=False)(fn)
+            return functools.partial(direct, **kwargs)
+        own = {k: kwargs.pop(k) for k in _CHECKPOINT_KEYWORDS & kwargs.keys()}
+        if kwargs and own.get("use_reentrant") is not False:
+            # as torch: only the non-reentrant variant passes keywords on to the function
+            raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+        calls[0] += 1
+        return function(*args, **kwargs)
+
+    class Direct:
+        @staticmethod
+        def apply(function: Any, preserve: bool, *args: Any) -> Any:
+            if threading.get_ident() != exporting:
+                return reentrant.apply(function, preserve, *args)  # type: ignore[no-untyped-call]
+            calls[0] += 1
+            return function(*args)
+
+    undo = _rebind(vars(ckpt), public, direct)
+    undo += _rebind(vars(ckpt), reentrant, Direct)
+    try:
+        for m in module.modules():
+            undo += _rebind(vars(m), public, direct)
+            for klass in type(m).__mro__:
+                code = sys.modules.get(klass.__module__)
+                if code is not None and code is not ckpt:
+                    undo += _rebind(vars(code), public, direct)
+        yield calls
+    finally:
+        for namespace, name, value in reversed(undo):
+            namespace[name] = value

@@ -1,0 +1,186 @@
+"""ortfx inside someone else's process: what it must leave alone.
+
+The scenarios that need a process where nothing ran before run in subprocesses
+(``tests/citizen_worker.py``); each test here would fail on the code before the good-citizen
+reshape (checked against that commit)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ortfx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _worker(scenario: str, *argv: str, timeout: int = 600) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.citizen_worker", scenario, *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return found
+
+
+# ORT refuses torch's own export of a bool cumsum (CumSum takes no bool): ortfx's symbolic
+# fixes that for ortfx's graphs only; the user's export stays exactly torch's.
+TORCH_OWN_INVALID = {"cumsum_bool"}
+
+
+def test_a_users_onnx_export_is_torchs_own_before_and_after_ortfx() -> None:
+    """For one model per op ortfx writes its own way (every TorchScript symbolic it registers,
+    and a custom Function's PythonOp), the user's ``torch.onnx.export`` gives the same bytes
+    (or the same error) before and after ortfx trained models with both exporters, torch's
+    symbolic registry is exactly as before, no graph has a custom domain, and each loads in a
+    plain ``onnxruntime.InferenceSession`` (all but torch's own invalid bool cumsum)."""
+    found = _worker("user_export")
+    assert found["differ"] == []
+    assert found["registry_same"], found["registry_diff"]
+    assert len(found["exported"]) >= 20
+    for name, (loads, domains) in found["loads"].items():
+        assert domains == [], name
+        if name in TORCH_OWN_INVALID:
+            assert "CumSum" in loads, loads
+        else:
+            assert loads == "loads", (name, loads)
+
+
+def test_another_thread_sees_torchs_own_process_while_ortfx_exports() -> None:
+    """While one thread is inside ortfx's export, another thread sees torch's own Tensor
+    attributes, grad-mode functions, Module.__setattr__, RemovableHandle.remove and F.linear,
+    its own grad mode, and the process's stdout/stderr (objects and file descriptors); a plain
+    model it trains meanwhile reads its autograd attributes, runs its hooks and gets the
+    gradients of a run without ortfx (exactly). After the export nothing is left changed."""
+    found = _worker("during_export")
+    assert found["view_differs"] == []
+    assert found["after_differs"] == []
+    assert found["end_differs"] == []
+    assert found["flags"] == [True, True, True]
+    assert found["hooked"] == [True]
+    assert found["grad_equal"]
+    assert found["ortfx_matches_eager"]
+
+
+def test_a_hundred_short_runs_exit_cleanly() -> None:
+    """A script that creates and drops wrappers, then exits, exits 0: before, the arena's
+    shrinker (a daemon thread) could be inside ORT when the interpreter ended, and about 2 exits
+    in 100 aborted (SIGABRT, "terminate called without an active exception"). 100 children,
+    each a full interpreter shutdown, at moments spread over the shrinker's window."""
+    found = _worker("short_runs", "100", timeout=900)
+    assert len(found["statuses"]) == 100
+    assert [s for s in found["statuses"] if s != 0] == []
+
+
+def test_two_threads_building_their_first_wrappers_at_once() -> None:
+    """Each thread's first call flattens a dataclass ortfx has never registered and runs a
+    custom Function (the PythonOp bridge's first setup): both at once, several times over
+    (each time in a fresh process), no error, outputs and gradients equal eager's (1e-6)."""
+    found = _worker("first_wrappers_at_once")
+    assert found["errors"] == []
+    assert found["rounds"] == 8
+    assert found["max_diff"] <= 1e-6
+
+
+# ---- the façade commits compare-and-swap ---------------------------------------------------------
+
+
+class SwapsInEval(nn.Module):
+    """In eval mode the forward returns what ortfx cannot carry (a set), so that call runs in
+    PyTorch; while it runs there, it replaces its second layer (the registration hook tells
+    the wrapper, which must not then forget it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.second(self.first(x))
+        if not self.training:
+            self.second = nn.Linear(4, 4)
+            return {"h": h, "tags": {"eval"}}
+        return h
+
+
+def test_an_invalidation_during_a_call_is_never_lost() -> None:
+    """A registration hook firing inside a call that runs in PyTorch commits an invalidation;
+    the call's own commit must keep it (the façade used to overwrite it with the shell the call
+    started from, and the next training call ran the old layer's weights, silently)."""
+    torch.manual_seed(0)
+    eager = SwapsInEval()
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    assert torch.allclose(wrapped(x), eager(x), atol=1e-6)
+    wrapped.eval()
+    wrapped(x)  # falls back; replaces .second inside
+    wrapped.train()
+    expected = wrapped.module.second(wrapped.module.first(x))
+    assert torch.allclose(wrapped(x), expected, atol=1e-6)
+    assert "'second' of SwapsInEval set to a Linear" in str(ortfx.explain(wrapped)[-1])
+
+
+def test_configure_during_a_call_on_another_thread_is_kept() -> None:
+    """``ortfx.configure`` from another thread while a call runs: the call's commit rebases
+    onto it instead of overwriting the new options."""
+    started, release = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            started.set()
+            release.wait(30)
+            return self.lin(x)
+
+    wrapped = ortfx.ORTModule(Slow())
+    call = threading.Thread(target=lambda: wrapped(torch.randn(2, 4)))
+    call.start()
+    assert started.wait(30)
+    ortfx.configure(wrapped, memory_opt_level=1)
+    release.set()
+    call.join()
+    assert ortfx.options_of(wrapped).memory_opt_level == 1
+
+
+def test_memory_report_commits_onto_an_invalidation_made_while_it_ran() -> None:
+    """``memory_report`` builds a probe session; a layer replaced while it runs (here from the
+    session-options seam, as another thread or a hook could) invalidates the graphs, and the
+    report's commit keeps that: the next call exports again and matches eager (1e-6)."""
+    from ortfx.runtime import events
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(2, 4)
+    wrapped(x).sum().backward()
+    swapped: list[bool] = []
+
+    def swap(options: Any, training: bool) -> None:
+        if not swapped:
+            swapped.append(True)
+            model[2] = nn.Linear(4, 1)  # the registration hook invalidates
+
+    events.session_option_edits.append(swap)
+    try:
+        ortfx.memory_report(wrapped)
+    finally:
+        events.session_option_edits.remove(swap)
+    assert swapped
+    assert torch.allclose(wrapped(x), model(x), atol=1e-6)
+    assert ortfx.stats(wrapped).exports == 2
