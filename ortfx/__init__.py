@@ -16,6 +16,7 @@ from ortfx.errors import (
     OrtfxWarning,
 )
 from ortfx.hooks import inspect_activation
+from ortfx.keys import Reason, Transition
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
 from ortfx.runtime.module import (
@@ -27,7 +28,7 @@ from ortfx.runtime.module import (
     options_of,
     stats,
 )
-from ortfx.transitions import Reason, Stats, Transition
+from ortfx.transitions import Stats
 
 __all__ = [
     "DebugOptions",

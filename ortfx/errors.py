@@ -113,6 +113,15 @@ NOT_A_MODULE = (
     "Pass the model object itself, e.g. ORTModule(MyModel())."
 )
 
+ZERO3_NOT_CONFIGURED = (
+    "the module wrapped by ortfx.ORTModule has {count} DeepSpeed ZeRO-3 partitioned "
+    "parameter(s) (first: {name!r}, full shape {full}, shape here {local}), but ortfx's ZeRO-3 "
+    "hooks are not installed on this wrapper. DeepSpeed gathers parameters from each "
+    "submodule's forward hooks, which never fire when ONNX Runtime runs the module as one graph. "
+    "Call ortfx.hooks.configure_ort_compatible_zero_stage3() before "
+    "deepspeed.initialize(model=ortfx.ORTModule(model), ...) (wrap first, then initialize)."
+)
+
 BUFFER_REQUIRES_GRAD = (
     "buffer {name!r} requires grad; ortfx's graph takes gradients for the module's inputs and "
     "parameters only, so the buffer would get none (PyTorch accumulates one into its .grad). "

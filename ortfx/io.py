@@ -245,10 +245,11 @@ def originals(call: CallTree, /) -> Iterator[None]:
 
 
 def _register_node_type(cls: type) -> bool:
-    """Register ``cls`` as a node in our namespace if it is a container we support (once:
-    two threads flattening a new type at once register it once, under the lock)."""
+    """Whether ``cls`` is (now) a node in our namespace: a container we support, registered
+    here once (two threads flattening a new type at once: one registers it under the lock;
+    for the other it is registered too, and its leaves must be flattened again)."""
     if cls in _registered:
-        return False
+        return True
     with _REGISTERING:
         if cls in _registered:  # another thread registered it while this one waited
             return True
@@ -301,7 +302,7 @@ def register_types(names: Sequence[tuple[str, str]], /) -> None:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-        if not isinstance(obj, type) or not (_register_node_type(obj) or obj in _registered):
+        if not isinstance(obj, type) or not _register_node_type(obj):
             raise TypeError(f"{module_name}.{qualname} is not a container type ortfx registers")
 
 
@@ -313,8 +314,9 @@ def flatten(tree: Any, /) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flatten ``tree`` into leaves and a treespec, registering new container types on the way."""
     while True:
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
-        # A leaf of an unregistered container type is registered and the tree flattened again;
-        # the loop ends because each pass registers at least one new type or returns.
+        # A leaf of a container type not registered when optree looked is registered (or found
+        # registered by another thread meanwhile) and the tree flattened again; the loop ends
+        # because a registered type is never a leaf again.
         if all(_is_plain_leaf(leaf) for leaf in leaves):
             return leaves, spec
         if not any(_register_node_type(type(leaf)) for leaf in leaves if not _is_plain_leaf(leaf)):

@@ -4,157 +4,47 @@ Nothing here imports ONNX Runtime. The shell builds a :class:`Call` for each for
 :func:`decide` what must happen, does the (effectful) work, and swaps in the state returned by
 :func:`apply`. A failure in between leaves the old state untouched.
 
-Order of precedence: ``Reexport`` > ``Reprocess`` > ``NewSession`` > ``Reuse``.
+Order of precedence: ``Reexport`` > ``Reprocess`` > ``NewSession`` > ``Reuse``. The records are
+in :mod:`ortfx.keys`, the explanations in :mod:`ortfx.reasons`; their names used elsewhere are
+re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+from collections.abc import Hashable, Sequence
+from typing import Any, Generic
 
 import attrs
 import optree
 import torch
 
-from ortfx import io
+from ortfx.keys import (
+    Call,
+    Decision,
+    Entry,
+    ExportKey,
+    GradState,
+    ModuleVersion,
+    NewSession,
+    P,
+    Reason,
+    Reexport,
+    Reprocess,
+    Reuse,
+    SessionKey,
+    Transition,
+    decision_name,
+)
 from ortfx.options import ExportOptions
-from ortfx.schema import LeafSpec, ModelSchema, StaticSpec, TensorSpec
-
-P = TypeVar("P")
-
-
-@attrs.frozen
-class Reason:
-    """One difference between what a cache entry was built for and the current call."""
-
-    path: str
-    seen: str
-    given: str
-    why: str
-
-    def __str__(self) -> str:
-        return f"{self.path} was {self.seen}, now {self.given} ({self.why})"
-
-
-@attrs.frozen
-class ModuleVersion:
-    """Bumped by every change to the module that can change its graph; ``cause`` says which."""
-
-    number: int = 0
-    cause: str = attrs.field(default="", eq=False)
-
-
-@attrs.frozen
-class ExportKey:
-    """Everything that can change the exported graph, and nothing that cannot."""
-
-    schema: ModelSchema
-    training: bool
-    module_version: ModuleVersion
-    options: ExportOptions
-    versions: tuple[str, str]  # (torch, onnx)
-    # None: the graph does not depend on grad mode. Else the grad mode it was traced for: the
-    # module asked torch.is_grad_enabled() while traced (see :func:`resolve`).
-    grad_mode: bool | None = None
-    # None: the graph does not depend on requires_grad flags. Else the (inputs, parameters)
-    # flags it was traced for: the forward read requires_grad of an input or a parameter.
-    grad_flags: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None
-    # Submodules whose train/eval flag differs from the root's ``training`` (a frozen
-    # BatchNorm: ``model.bn.eval()``), by name: the trace follows each module's own flag.
-    other_mode: tuple[str, ...] = ()
-    # The dtype torch.autocast runs the call's device in ("bfloat16"), or None when off: the
-    # trace records its casts, so a graph traced without them computes in another dtype.
-    autocast: str | None = None
-    # torch.get_default_dtype(): the dtype of the tensors the forward creates without one.
-    default_dtype: str = "float32"
-
-
-@attrs.frozen
-class GradState:
-    """Which inputs and parameters require grad: decides re-processing, not re-export."""
-
-    inputs: tuple[bool, ...]
-    params: tuple[bool, ...]
-    param_names: tuple[str, ...] = attrs.field(eq=False)
-    # (memory_opt_level, memory_opt_config): the gradient graph's recompute plans.
-    memory: tuple[int, str] = (0, "")
-    # Options.enable_mem_efficient_grad_management: parameters fed through PythonOps.
-    mem_efficient_grad: bool = False
-
-
-@attrs.frozen
-class SessionKey:
-    """What only needs a new ORT session: the device, torch's determinism flag and the
-    session settings (``(option name, value)`` pairs: threads, spinning, CPU arena)."""
-
-    device: str
-    deterministic: bool
-    settings: tuple[tuple[str, Any], ...] = ()
-
-
-@attrs.frozen
-class Call:
-    """Everything :func:`decide` needs to know about one forward call."""
-
-    key: ExportKey
-    grad: GradState
-    session: SessionKey
-    grad_enabled: bool = False  # torch.is_grad_enabled() at the call
-
-
-@attrs.frozen
-class Reuse:
-    pass
-
-
-@attrs.frozen
-class NewSession:
-    reasons: tuple[Reason, ...]
-
-
-@attrs.frozen
-class Reprocess:
-    reasons: tuple[Reason, ...]
-
-
-@attrs.frozen
-class Reexport:
-    reasons: tuple[Reason, ...]
-
-
-Decision: TypeAlias = Reuse | NewSession | Reprocess | Reexport
-
-
-def decision_name(decision: Decision, *, first: bool = False) -> str:
-    if isinstance(decision, Reexport):
-        return "export" if first else "re-export"
-    if isinstance(decision, Reprocess):
-        return "re-process"
-    if isinstance(decision, NewSession):
-        return "new session"
-    return "reuse"
-
-
-@attrs.frozen
-class Transition:
-    """A non-trivial decision in the history, with its reasons; renders as one log line."""
-
-    call: int
-    kind: str
-    reasons: tuple[Reason, ...]
-
-    def __str__(self) -> str:
-        return f"{self.kind}: " + "; ".join(map(str, self.reasons))
-
-
-@attrs.frozen
-class Entry(Generic[P]):
-    """One cached graph: what it was built for, and the shell's artifacts for it."""
-
-    key: ExportKey
-    grad: GradState
-    session: SessionKey
-    payload: P = attrs.field(eq=False)
+from ortfx.reasons import (
+    as_seen_by,
+    closest_entry,
+    explain_grad,
+    explain_key,
+    explain_session,
+    flags,
+)
+from ortfx.schema import ModelSchema
 
 
 @attrs.frozen
@@ -185,7 +75,7 @@ class ExportState(Generic[P]):
 
     maxsize: int = 8
     entries: tuple[Entry[P], ...] = ()
-    module_version: ModuleVersion = ModuleVersion()
+    module_version: ModuleVersion = attrs.field(factory=ModuleVersion)
     stats: Stats = Stats()
     history: tuple[Transition, ...] = ()
     # Consecutive re-exports forced by a changing static leaf, and the leaves already warned of.
@@ -210,237 +100,6 @@ def bump_module_version(state: ExportState[P], cause: str) -> ExportState[P]:
     return attrs.evolve(state, module_version=ModuleVersion(state.module_version.number + 1, cause))
 
 
-# ---- explanations -------------------------------------------------------------------------
-
-
-def _leaf_reason(path: str, seen: LeafSpec, given: LeafSpec) -> Reason:
-    why = "the leaf changed"
-    if isinstance(seen, StaticSpec) and isinstance(given, StaticSpec):
-        if type(seen.value) is type(given.value):
-            why = f"a static {seen.kind} value changed"
-        else:
-            why = "a static value changed type"
-    elif isinstance(seen, TensorSpec) and isinstance(given, TensorSpec):
-        changed = [n for n in ("dtype", "rank") if getattr(seen, n) != getattr(given, n)]
-        why = f"a tensor's {' and '.join(changed)} changed"
-    elif isinstance(seen, StaticSpec):
-        why = "None became a tensor" if seen.value is None else "a static value became a tensor"
-    elif isinstance(given, StaticSpec):
-        why = "a tensor became None" if given.value is None else "a tensor became a static value"
-    return Reason(path, seen.render(), given.render(), why)
-
-
-def _structure_reasons(seen: ModelSchema, given: ModelSchema) -> Iterator[Reason]:
-    old, new = seen.paths, given.paths
-    for path in old:
-        if path not in new:
-            yield Reason(path, "present", "absent", "the input structure changed")
-    for path in new:
-        if path not in old:
-            yield Reason(path, "absent", "present", "the input structure changed")
-    if set(old) == set(new):
-        old_chains = dict(zip(old, io.containers(seen.treespec, root=seen.root), strict=True))
-        for path, chain in zip(new, io.containers(given.treespec, root=given.root), strict=True):
-            for (where, was), (_, now) in zip(old_chains[path], chain, strict=False):
-                if was != now:
-                    yield Reason(where, f"a {was}", f"a {now}", "a container type changed")
-                    return
-        yield Reason("inputs", str(seen.treespec), str(given.treespec), "the tree changed")
-
-
-def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
-    """Why ``given`` misses an entry built for ``seen``, in a fixed order (JAX-style).
-
-    Module version, mode, options and library versions first, then tree structure, then leaves.
-    """
-    reasons: list[Reason] = []
-    if seen.module_version != given.module_version:
-        reasons.append(
-            Reason(
-                "module",
-                f"version {seen.module_version.number}",
-                f"version {given.module_version.number}",
-                given.module_version.cause or "the module changed",
-            )
-        )
-    if seen.training != given.training:
-        mode = {True: "train", False: "eval"}
-        reasons.append(
-            Reason("mode", mode[seen.training], mode[given.training], "train/eval mode changed")
-        )
-    if seen.other_mode != given.other_mode:
-        reasons.append(
-            Reason(
-                "submodule modes",
-                _other_mode_text(seen),
-                _other_mode_text(given),
-                "a submodule's train/eval mode differs from the module's",
-            )
-        )
-    if seen.autocast != given.autocast:
-        reasons.append(
-            Reason(
-                "autocast",
-                seen.autocast or "off",
-                given.autocast or "off",
-                "torch.autocast changes the dtypes the forward computes in",
-            )
-        )
-    if seen.default_dtype != given.default_dtype:
-        reasons.append(
-            Reason(
-                "default dtype",
-                seen.default_dtype,
-                given.default_dtype,
-                "torch.set_default_dtype changes the tensors the forward creates",
-            )
-        )
-    if None not in (seen.grad_flags, given.grad_flags) and seen.grad_flags != given.grad_flags:
-        reasons.append(
-            Reason(
-                "requires_grad flags",
-                _flag_text(seen.grad_flags),
-                _flag_text(given.grad_flags),
-                "the forward reads requires_grad of its inputs or parameters",
-            )
-        )
-    if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
-        grad = {True: "enabled", False: "disabled"}
-        reasons.append(
-            Reason(
-                "grad mode",
-                grad[bool(seen.grad_mode)],
-                grad[bool(given.grad_mode)],
-                "the module reads torch.is_grad_enabled()",
-            )
-        )
-    for field in attrs.fields(ExportOptions):
-        a, b = getattr(seen.options, field.name), getattr(given.options, field.name)
-        if a != b:
-            reasons.append(
-                Reason(f"option {field.name}", repr(a), repr(b), "an export option changed")
-            )
-    for name, a, b in zip(("torch", "onnx"), seen.versions, given.versions, strict=True):
-        if a != b:
-            reasons.append(Reason(f"{name} version", a, b, "a library version changed"))
-    if seen.schema.treespec != given.schema.treespec:
-        reasons.extend(_structure_reasons(seen.schema, given.schema))
-    else:
-        for path, a, b in zip(
-            given.schema.paths, seen.schema.leaves, given.schema.leaves, strict=True
-        ):
-            if a != b:
-                reasons.append(_leaf_reason(path, a, b))
-    return tuple(reasons)
-
-
-def _other_mode_text(key: ExportKey) -> str:
-    if not key.other_mode:
-        return "all as the module"
-    mode = "eval" if key.training else "train"
-    return ", ".join(f"{name!r} {mode}" for name in key.other_mode)
-
-
-def _flag(value: bool) -> str:
-    return f"requires_grad={value}"
-
-
-def explain_grad(seen: GradState, given: GradState, paths: tuple[str, ...]) -> tuple[Reason, ...]:
-    reasons = [
-        Reason(path, _flag(a), _flag(b), "an input's requires_grad changed")
-        for path, a, b in zip(paths, seen.inputs, given.inputs, strict=True)
-        if a != b
-    ]
-    if seen.param_names != given.param_names:
-        reasons.append(Reason("parameters", "another set", "this set", "the parameters changed"))
-    else:
-        reasons.extend(
-            Reason(f"parameter '{name}'", _flag(a), _flag(b), "a parameter's requires_grad changed")
-            for name, a, b in zip(given.param_names, seen.params, given.params, strict=True)
-            if a != b
-        )
-    for name, a, b in zip(
-        ("memory_opt_level", "memory_opt_config"), seen.memory, given.memory, strict=True
-    ):
-        if a != b:
-            reasons.append(
-                Reason(f"option {name}", repr(a), repr(b), "a memory optimizer option changed")
-            )
-    if seen.mem_efficient_grad != given.mem_efficient_grad:
-        reasons.append(
-            Reason(
-                "option enable_mem_efficient_grad_management",
-                repr(seen.mem_efficient_grad),
-                repr(given.mem_efficient_grad),
-                "parameters enter the graph another way",
-            )
-        )
-    return tuple(reasons)
-
-
-def explain_session(seen: SessionKey, given: SessionKey) -> tuple[Reason, ...]:
-    reasons = []
-    before = dict(seen.settings)
-    for name, value in given.settings:
-        if name in before and before[name] != value:
-            reasons.append(
-                Reason(
-                    f"option {name}", repr(before[name]), repr(value), "a session setting changed"
-                )
-            )
-    if seen.device != given.device:
-        reasons.append(Reason("device", seen.device, given.device, "the module changed device"))
-    if seen.deterministic != given.deterministic:
-        on = {True: "on", False: "off"}
-        reasons.append(
-            Reason(
-                "deterministic algorithms",
-                on[seen.deterministic],
-                on[given.deterministic],
-                "torch.use_deterministic_algorithms changed",
-            )
-        )
-    return tuple(reasons)
-
-
-def _flag_text(flags: tuple[tuple[bool, ...], tuple[bool, ...]] | None) -> str:
-    """Which inputs and parameters require grad, in order (1 = requires grad); counts when long."""
-    inputs, params = flags or ((), ())
-
-    def bits(values: tuple[bool, ...]) -> str:
-        if len(values) > 32:
-            return f"{sum(values)} of {len(values)}"
-        return "".join("1" if v else "0" for v in values) or "none"
-
-    return f"inputs {bits(inputs)}, parameters {bits(params)}"
-
-
-def _as_seen_by(entry: ExportKey, call: Call) -> ExportKey:
-    """The call's key as an entry traced for one grad mode, or for given requires_grad flags,
-    compares it."""
-    key = call.key
-    if entry.grad_mode is not None:
-        key = attrs.evolve(key, grad_mode=call.grad_enabled)
-    if entry.grad_flags is not None:
-        key = attrs.evolve(key, grad_flags=_flags(call))
-    return key
-
-
-def _flags(call: Call) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-    return (call.grad.inputs, call.grad.params)
-
-
-def _closest(entries: tuple[Entry[P], ...], call: Call) -> Entry[P] | None:
-    # The entry with the fewest differences; ties go to the most recently used one.
-    best: Entry[P] | None = None
-    best_count = -1
-    for entry in reversed(entries):
-        count = len(explain_key(entry.key, _as_seen_by(entry.key, call)))
-        if best is None or count < best_count:
-            best, best_count = entry, count
-    return best
-
-
 # ---- the decision and its application ------------------------------------------------------
 
 
@@ -456,8 +115,8 @@ def resolve(state: ExportState[P], call: Call) -> Call:
     if state.lookup(call.key) is not None:
         return call
     moded = attrs.evolve(call.key, grad_mode=call.grad_enabled)
-    flagged = attrs.evolve(call.key, grad_flags=_flags(call))
-    both = attrs.evolve(moded, grad_flags=_flags(call))
+    flagged = attrs.evolve(call.key, grad_flags=flags(call))
+    both = attrs.evolve(moded, grad_flags=flags(call))
     for key in (moded, flagged, both):
         if state.lookup(key) is not None:
             return attrs.evolve(call, key=key)
@@ -473,7 +132,7 @@ def traced_for_grad_mode(call: Call) -> Call:
 def traced_for_grad_flags(call: Call) -> Call:
     """``call`` once its export turned out to read requires_grad of inputs or parameters: its
     entry serves only calls with the same flags (others export again)."""
-    return attrs.evolve(call, key=attrs.evolve(call.key, grad_flags=_flags(call)))
+    return attrs.evolve(call, key=attrs.evolve(call.key, grad_flags=flags(call)))
 
 
 def decide(state: ExportState[P], call: Call) -> Decision:
@@ -481,10 +140,10 @@ def decide(state: ExportState[P], call: Call) -> Decision:
     ``state``, changes nothing."""
     entry = state.lookup(call.key)
     if entry is None:
-        closest = _closest(state.entries, call)
+        closest = closest_entry(state.entries, call)
         if closest is None:
             return Reexport((FIRST_CALL,))
-        return Reexport(explain_key(closest.key, _as_seen_by(closest.key, call)))
+        return Reexport(explain_key(closest.key, as_seen_by(closest.key, call)))
     if entry.grad != call.grad:
         return Reprocess(
             explain_grad(entry.grad, call.grad, call.key.schema.paths)
@@ -657,29 +316,25 @@ def signature(
     training: bool,
     module_version: int,
     params_requiring_grad: tuple[bool, ...],
-    deterministic: bool,
     device: Hashable,
-    grad_enabled: bool = False,
     modes: tuple[bool, ...] = (),
-    autocast: str | None = None,
-    default_dtype: Hashable = "float32",
+    global_state: tuple[Hashable, ...] = (),
 ) -> tuple[Any, ...]:
     """A plain tuple that is equal for two calls only if :func:`make_call` gives equal
     :class:`Call` s in the same context (options, versions, device and parameter names fixed):
     the shell's steady-state fast path compares it instead of building the call. ``modes``:
-    every module's train/eval flag (what ``CallContext.other_mode`` is read from)."""
+    every module's train/eval flag (what ``CallContext.other_mode`` is read from);
+    ``global_state``: torch's global state as the shell's guard table reads it, every entry
+    (the keyed ones fill ``CallContext``'s fields of the same names)."""
     return (
         treespec,
         tuple(map(_leaf_signature, leaves)),
         training,
         module_version,
         params_requiring_grad,
-        deterministic,
         device,
-        grad_enabled,
         modes,
-        autocast,
-        default_dtype,
+        global_state,
     )
 
 

@@ -11,11 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ortfx import io
+from ortfx.keys import ModuleVersion
 from ortfx.options import Options
-from ortfx.transitions import CallContext, ModuleVersion, make_call, signature
+from ortfx.runtime.guards import GLOBALS, keyed
+from ortfx.transitions import CallContext, make_call, signature
 
 # Small domains, so that equal signatures come up often; each value stands for a trap.
 STATICS: tuple[Any, ...] = (True, 1, 1.0, 0.0, -0.0, math.nan, "a", "1", None, 2, False, 0)
+
+# Values each entry of the shell's guard table (ortfx.runtime.guards.GLOBALS) can read; a new
+# entry without a domain here fails the test below.
+GLOBAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "grad_enabled": (True, False),
+    "deterministic": (True, False),
+    "autocast": (None, "bfloat16", "float16"),
+    "default_dtype": (torch.float32, torch.float64),
+    "inference_mode": (True, False),
+    "functorch_transform": (True, False),
+}
+
+
+def test_every_guard_has_a_domain() -> None:
+    assert [g.name for g in GLOBALS] == list(GLOBAL_VALUES)
 
 
 @st.composite
@@ -41,7 +58,7 @@ def calls(draw: st.DrawFn) -> tuple[Any, ...]:
         draw(st.booleans()),  # training
         draw(st.integers(0, 1)),  # module version
         tuple(draw(st.lists(st.booleans(), min_size=2, max_size=2))),  # params requiring grad
-        draw(st.booleans()),  # deterministic
+        tuple(draw(st.sampled_from(GLOBAL_VALUES[g.name])) for g in GLOBALS),  # torch's state
         tuple(draw(st.lists(st.booleans(), min_size=2, max_size=2))),  # submodules' modes
     )
 
@@ -54,7 +71,7 @@ SUBMODULES = ("block", "block.bn")
 
 
 def _call(*drawn: Any) -> Any:
-    tree, training, version, params, det, subs = _complete(drawn)
+    tree, training, version, params, state, subs = _complete(drawn)
     leaves_, spec = _flat(tree)
     context = CallContext(
         training=training,
@@ -65,21 +82,28 @@ def _call(*drawn: Any) -> Any:
         params_requiring_grad=params,
         memory=(0, ""),
         device="cpu",
-        deterministic=det,
         other_mode=tuple(n for n, mode in zip(SUBMODULES, subs, strict=True) if mode != training),
+        **keyed(state),
     )
     return make_call(leaves_, spec, context)
 
 
 def _signature(*drawn: Any) -> Any:
-    tree, training, version, params, det, subs = _complete(drawn)
+    tree, training, version, params, state, subs = _complete(drawn)
     leaves_, spec = _flat(tree)
-    return signature(leaves_, spec, training, version, params, det, "cpu", modes=(training, *subs))
+    return signature(leaves_, spec, training, version, params, "cpu", (training, *subs), state)
+
+
+# torch's state as a default process reads it: grad on, nothing else set.
+DEFAULT_STATE = (True, False, None, torch.float32, False, False)
 
 
 def _complete(drawn: tuple[Any, ...]) -> tuple[Any, ...]:
-    """(tree, training, module version, params requiring grad, deterministic, submodules'
-    modes); the submodules follow the root unless drawn."""
+    """(tree, training, module version, params requiring grad, torch's global state,
+    submodules' modes); the state is the default and the submodules follow the root unless
+    drawn."""
+    if len(drawn) == 4:
+        drawn = (*drawn, DEFAULT_STATE)
     return drawn if len(drawn) == 6 else (*drawn, (drawn[1], drawn[1]))
 
 
@@ -103,10 +127,8 @@ def test_a_call_has_its_own_signature(a: tuple[Any, ...]) -> None:
 def test_signature_splits_what_the_schema_splits() -> None:
     """The traps the property's domain is built around, spelled out."""
     for x, y in ((True, 1), (1, 1.0), (0.0, -0.0), ("1", 1), (None, False)):
-        assert _signature((x,), True, 0, (True, True), False) != _signature(
-            (y,), True, 0, (True, True), False
-        )
+        assert _signature((x,), True, 0, (True, True)) != _signature((y,), True, 0, (True, True))
     t = torch.zeros(2)
-    assert _signature((t,), True, 0, (True, True), False) != _signature(
-        (t.requires_grad_(),), True, 0, (True, True), False
+    assert _signature((t,), True, 0, (True, True)) != _signature(
+        (t.requires_grad_(),), True, 0, (True, True)
     )

@@ -11,12 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from ortfx.options import ExportOptions
-from ortfx.schema import ModelSchema
-from ortfx.transitions import (
+from ortfx.keys import (
     Call,
     ExportKey,
-    ExportState,
     GradState,
     ModuleVersion,
     NewSession,
@@ -24,6 +21,11 @@ from ortfx.transitions import (
     Reprocess,
     Reuse,
     SessionKey,
+)
+from ortfx.options import ExportOptions
+from ortfx.schema import ModelSchema
+from ortfx.transitions import (
+    ExportState,
     apply,
     bump_module_version,
     decide,

@@ -377,6 +377,22 @@ def _first_wrappers() -> tuple[list[str], float]:
     return errors, max(diffs, default=float("inf"))
 
 
+def _wait(pid: int, *, seconds: float) -> int | None:
+    """The child's wait status, or None (the child killed) if it has not ended in time."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
 def first_wrappers_at_once() -> None:
     """Fork a fresh child per round from this imported interpreter (nothing registered yet
     there), each running :func:`_first_wrappers`."""
@@ -403,9 +419,12 @@ def first_wrappers_at_once() -> None:
             os.close(write)
             sys.exit(code)
         os.close(write)
+        status = _wait(pid, seconds=60)
         with os.fdopen(read, "rb") as pipe:
             data = pipe.read()
-        _, status = os.waitpid(pid, 0)
+        if status is None:
+            errors.append("a child hung for 60 s (a deadlock) and was killed")
+            continue
         if not os.WIFEXITED(status) or os.WEXITSTATUS(status) not in (0, 3) or not data:
             errors.append(f"child ended with status {status}")
             continue

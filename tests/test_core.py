@@ -13,14 +13,9 @@ import torch
 
 from ortfx import io
 from ortfx.errors import OrtfxIOError
-from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
-from ortfx.options import ExportOptions
-from ortfx.schema import ModelSchema, StaticSpec, TensorSpec, tensorize_scalars
-from ortfx.transitions import (
-    REPEAT_WARN_AFTER,
+from ortfx.keys import (
     Call,
     ExportKey,
-    ExportState,
     GradState,
     ModuleVersion,
     NewSession,
@@ -28,10 +23,11 @@ from ortfx.transitions import (
     Reprocess,
     Reuse,
     SessionKey,
-    apply,
-    bump_module_version,
-    decide,
 )
+from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo
+from ortfx.options import ExportOptions
+from ortfx.schema import ModelSchema, StaticSpec, TensorSpec, tensorize_scalars
+from ortfx.transitions import REPEAT_WARN_AFTER, ExportState, apply, bump_module_version, decide
 
 V0 = ModuleVersion()
 OPTS = ExportOptions("torchscript", 17)

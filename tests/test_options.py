@@ -496,14 +496,15 @@ def test_the_cpu_allocator_slot_with_a_user_allocator(order: str) -> None:
 def test_sessions_keep_their_own_arenas_when_orts_environment_refuses_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ortfx.runtime import arena, events, session
+    from ortfx.runtime import arena, events
+    from ortfx.runtime.ort import ort
 
     def refuse(*args: Any) -> None:
         raise RuntimeError("no allocator for you")
 
     monkeypatch.setattr(arena, "_registered", False)
     monkeypatch.setattr(arena, "_failed", False)
-    monkeypatch.setattr(session.ort, "create_and_register_allocator", refuse)
+    monkeypatch.setattr(ort, "create_and_register_allocator", refuse)
     torch.manual_seed(0)
     x = torch.randn(4, 8, requires_grad=True)
     wrapped = ortfx.ORTModule(models.MLP())

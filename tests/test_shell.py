@@ -15,8 +15,9 @@ from torch import nn
 
 import ortfx
 from ortfx.runtime import events
-from ortfx.runtime.session import InferenceRunner, TrainingRunner
+from ortfx.runtime.inference import InferenceRunner
 from ortfx.runtime.shell import Compiled, Shell
+from ortfx.runtime.training import TrainingRunner
 from tests import models
 from tests.models import max_diff
 
@@ -191,7 +192,8 @@ def test_user_methods_and_signature_live_on_a_per_class_subclass() -> None:
 def test_hand_built_records_on_the_fast_path_equal_evolve() -> None:
     """count_reuse and Shell.with_state spell their records out field by field for speed; a
     field added later and forgotten there would silently reset to its default."""
-    from ortfx.transitions import ExportState, ModuleVersion, Stats, count_reuse
+    from ortfx.keys import ModuleVersion
+    from ortfx.transitions import ExportState, Stats, count_reuse
 
     values = {f.name: i + 3 for i, f in enumerate(attrs.fields(Stats))}
     stats = Stats(**{**values, "fallback": "why"})

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import ortfx
+from ortfx.errors import ZERO3_NOT_CONFIGURED
 from ortfx.hooks import zero3
 from tests.models import TinyGPT
 from tests.test_hooks import Scaled
@@ -181,7 +182,7 @@ def test_graph_inputs_have_the_full_shapes(ranks: list[dict[str, Any]]) -> None:
 
 def test_unconfigured_wrapper_says_what_to_do(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
-        assert r["unconfigured"]["error"] == zero3.ZERO3_NOT_CONFIGURED.format(
+        assert r["unconfigured"]["error"] == ZERO3_NOT_CONFIGURED.format(
             count=7, name="emb.weight", full=[16, 8], local=[0]
         )
 
@@ -348,7 +349,7 @@ def test_partitioned_parameters_without_the_hooks_raise() -> None:
     model = ortfx.ORTModule(inner)
     with pytest.raises(ortfx.OrtfxInitError) as info:
         model(torch.randn(4, 3))
-    assert str(info.value) == zero3.ZERO3_NOT_CONFIGURED.format(
+    assert str(info.value) == ZERO3_NOT_CONFIGURED.format(
         count=1, name="lin.weight", full=[2, 3], local=[2, 3]
     )
     assert ortfx.stats(model).exports == 0

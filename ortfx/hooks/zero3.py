@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 import attrs
@@ -43,17 +43,9 @@ from ortfx import io
 from ortfx._torch import queue_after_backward
 from ortfx.errors import OrtfxInitError
 from ortfx.options import LogLevel
-from ortfx.runtime import memgrad
+from ortfx.runtime import memgrad, partitioned
 from ortfx.runtime.logs import WrapperLog
-
-ZERO3_NOT_CONFIGURED = (
-    "the module wrapped by ortfx.ORTModule has {count} DeepSpeed ZeRO-3 partitioned "
-    "parameter(s) (first: {name!r}, full shape {full}, shape here {local}), but ortfx's ZeRO-3 "
-    "hooks are not installed on this wrapper. DeepSpeed gathers parameters from each "
-    "submodule's forward hooks, which never fire when ONNX Runtime runs the module as one graph. "
-    "Call ortfx.hooks.configure_ort_compatible_zero_stage3() before "
-    "deepspeed.initialize(model=ortfx.ORTModule(model), ...) (wrap first, then initialize)."
-)
+from ortfx.runtime.module import ORTModule, configure
 
 DEEPSPEED_MISSING = (
     "ortfx.hooks.configure_ort_compatible_zero_stage3 needs DeepSpeed, which could not be "
@@ -161,43 +153,6 @@ def release_gathered(model: torch.nn.Module) -> None:
     _gatherer_of(model).release()
 
 
-def check_partitioned(module: torch.nn.Module, named_tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise :class:`~ortfx.OrtfxInitError` if the wrapped ``module``'s parameters are ZeRO-3
-    partitioned but this protocol is not installed on its wrapper. Cheap; the call path runs it
-    before exporting."""
-    if any(getattr(w, "module", None) is module for w in list(_gatherers)):
-        return
-    partitioned = [(n, t) for n, t in named_tensors.items() if hasattr(t, "ds_shape")]
-    if not partitioned:
-        return
-    name, first = partitioned[0]
-    raise OrtfxInitError(
-        ZERO3_NOT_CONFIGURED.format(
-            count=len(partitioned),
-            name=name,
-            full=list(first.ds_shape),
-            local=list(first.shape),
-        )
-    )
-
-
-@contextlib.contextmanager
-def gathered_for_export(module: torch.nn.Module) -> Iterator[None]:
-    """Phase 2: the parameters of ``module`` (the wrapped module) that are partitioned are
-    gathered while ortfx exports it, and released after. A no-op for other modules."""
-    gatherer = next(
-        (g for w, g in list(_gatherers.items()) if getattr(w, "module", None) is module), None
-    )
-    if gatherer is None or not gatherer.layerwise:
-        yield
-        return
-    brought = gatherer.gather()
-    try:
-        yield
-    finally:
-        gatherer.release(brought)
-
-
 def _gatherer_of(model: torch.nn.Module) -> _Gatherer:
     wrapper = getattr(model, "module", None) if model not in _gatherers else model
     gatherer = _gatherers.get(wrapper) if wrapper is not None else None
@@ -210,8 +165,6 @@ def _gatherer_of(model: torch.nn.Module) -> _Gatherer:
 
 
 def _is_wrapper(module: torch.nn.Module) -> bool:
-    from ortfx.runtime.module import ORTModule  # the call path imports this module lazily
-
     return isinstance(module, ORTModule)
 
 
@@ -244,9 +197,8 @@ def _register_deepspeed_module(
     if gatherer is None:
         gatherer = _Gatherer(module, _settings or Settings())
         _gatherers[module] = gatherer
+        partitioned.register(module.module, gatherer)
     if gatherer.layerwise:
-        from ortfx.runtime.module import configure
-
         configure(module, enable_mem_efficient_grad_management=True, zero3_layerwise=True)
         for p in gatherer.params:
             memgrad.fetch_through(p, gatherer)
@@ -295,7 +247,7 @@ class _Gatherer:
     def _layer_by_layer(self) -> bool:
         """Phase 2 for this forward: ORT's training graph (with its in-graph gathers) will
         run. An inference graph reads the weights as inputs: those forwards gather everything,
-        as phase 1 does. An export gathers for itself (:func:`gathered_for_export`)."""
+        as phase 1 does. An export gathers for itself (:meth:`for_export`)."""
         return (
             self.layerwise and torch.is_grad_enabled() and any(p.requires_grad for p in self.params)
         )
@@ -372,6 +324,20 @@ class _Gatherer:
         self._note("release", len(drop), elements)
 
     # ---- phase 2: memgrad.Fetcher, called from the graph's feed nodes ----
+
+    @contextlib.contextmanager
+    def for_export(self) -> Iterator[None]:
+        """Phase 2 (:class:`ortfx.runtime.partitioned.Gathering`): the partitioned parameters
+        whole while ortfx exports the module, released after (phase 1 gathers them around
+        every forward already)."""
+        if not self.layerwise:
+            yield
+            return
+        brought = self.gather()
+        try:
+            yield
+        finally:
+            self.release(brought)
 
     def fetch(self, param: torch.Tensor, *, backward: bool) -> torch.Tensor:
         """The full value of ``param`` for one feed node. A forward feed hands ORT the only

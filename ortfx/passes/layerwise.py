@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import onnx
 
-from ortfx.passes import _LAYOUT_OPS, _downstream
+from ortfx.passes.feeds import LAYOUT_OPS, downstream
 
 
 def _is_feed(node: onnx.NodeProto, function: str) -> bool:
@@ -42,7 +42,7 @@ def gather_per_layer(model: onnx.ModelProto, function: str) -> bool:
     yields = [n for n in all_nodes if n.op_type == "YieldOp"]
     if not feeds or not yields:
         return False
-    backward = _downstream(graph, {o for n in yields for o in n.output})
+    backward = downstream(graph, {o for n in yields for o in n.output})
     position = {id(n): k for k, n in enumerate(all_nodes)}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in all_nodes:
@@ -179,10 +179,10 @@ def _layer_input(
     """The activation a parameter's first forward reader computes with (through layout nodes
     such as ``W^T``, whose only input is the parameter: then their first reader's)."""
     found: str | None = next((i for i in reader.input if i and i not in fixed), None)
-    if found is not None and reader.op_type not in _LAYOUT_OPS:
+    if found is not None and reader.op_type not in LAYOUT_OPS:
         return found
     after = sorted(consumers.get(reader.output[0], []), key=lambda n: position[id(n)])
-    if reader.op_type in _LAYOUT_OPS and after:
+    if reader.op_type in LAYOUT_OPS and after:
         return _layer_input(after[0], consumers, fixed | {reader.output[0]}, position)
     return found
 
@@ -225,7 +225,7 @@ def _regather(
                 continue  # the feed's own gradient node; feeds_after_readers' barriers
             if in_backward(node):
                 uses.append((node, value, chain))
-            elif node.op_type in _LAYOUT_OPS and node.output:
+            elif node.op_type in LAYOUT_OPS and node.output:
                 walk(node.output[0], (*chain, node))
 
     walk(param, ())

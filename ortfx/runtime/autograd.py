@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ortfx.errors import HIGHER_ORDER_GRADIENTS, OrtfxRuntimeError
-from ortfx.runtime.session import TrainingRunner
+from ortfx.runtime.training import TrainingRunner
 
 
 class RunORT(torch.autograd.Function):

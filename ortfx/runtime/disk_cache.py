@@ -36,9 +36,9 @@ import onnx
 import torch
 
 from ortfx import io
+from ortfx.keys import ExportKey
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.runtime.logs import WrapperLog
-from ortfx.transitions import ExportKey
 
 # Bump when the stored record or the digest text changes meaning.
 FORMAT = b"ortfx-export-cache 2\n"

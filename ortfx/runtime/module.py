@@ -28,12 +28,13 @@ from ortfx.errors import (
     OrtfxInitError,
     OrtfxTorchModelError,
 )
+from ortfx.keys import Transition
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, Options
 from ortfx.runtime import shell as engine
 from ortfx.runtime import state_dicts, watch
-from ortfx.runtime.session import require_ort
-from ortfx.transitions import Stats, Transition
+from ortfx.runtime.ort import require_ort
+from ortfx.transitions import Stats
 
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
 _OWN = frozenset({"training", state_dicts.INNER, "_ortfx"})

@@ -1,0 +1,147 @@
+"""The pure core's records: a call's keys (export, gradient, session), the decision types, the
+reasons they carry, and what the cache holds per entry. Frozen, compared by value."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeAlias, TypeVar
+
+import attrs
+
+from ortfx.options import ExportOptions
+from ortfx.schema import ModelSchema
+
+P = TypeVar("P")
+
+
+@attrs.frozen
+class Reason:
+    """One difference between what a cache entry was built for and the current call."""
+
+    path: str
+    seen: str
+    given: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path} was {self.seen}, now {self.given} ({self.why})"
+
+
+@attrs.frozen
+class ModuleVersion:
+    """Bumped by every change to the module that can change its graph; ``cause`` says which."""
+
+    number: int = 0
+    cause: str = attrs.field(default="", eq=False)
+
+
+@attrs.frozen
+class ExportKey:
+    """Everything that can change the exported graph, and nothing that cannot."""
+
+    schema: ModelSchema
+    training: bool
+    module_version: ModuleVersion
+    options: ExportOptions
+    versions: tuple[str, str]  # (torch, onnx)
+    # None: the graph does not depend on grad mode. Else the grad mode it was traced for: the
+    # module asked torch.is_grad_enabled() while traced (see :func:`resolve`).
+    grad_mode: bool | None = None
+    # None: the graph does not depend on requires_grad flags. Else the (inputs, parameters)
+    # flags it was traced for: the forward read requires_grad of an input or a parameter.
+    grad_flags: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None
+    # Submodules whose train/eval flag differs from the root's ``training`` (a frozen
+    # BatchNorm: ``model.bn.eval()``), by name: the trace follows each module's own flag.
+    other_mode: tuple[str, ...] = ()
+    # The dtype torch.autocast runs the call's device in ("bfloat16"), or None when off: the
+    # trace records its casts, so a graph traced without them computes in another dtype.
+    autocast: str | None = None
+    # torch.get_default_dtype(): the dtype of the tensors the forward creates without one.
+    default_dtype: str = "float32"
+
+
+@attrs.frozen
+class GradState:
+    """Which inputs and parameters require grad: decides re-processing, not re-export."""
+
+    inputs: tuple[bool, ...]
+    params: tuple[bool, ...]
+    param_names: tuple[str, ...] = attrs.field(eq=False)
+    # (memory_opt_level, memory_opt_config): the gradient graph's recompute plans.
+    memory: tuple[int, str] = (0, "")
+    # Options.enable_mem_efficient_grad_management: parameters fed through PythonOps.
+    mem_efficient_grad: bool = False
+
+
+@attrs.frozen
+class SessionKey:
+    """What only needs a new ORT session: the device, torch's determinism flag and the
+    session settings (``(option name, value)`` pairs: threads, spinning, CPU arena)."""
+
+    device: str
+    deterministic: bool
+    settings: tuple[tuple[str, Any], ...] = ()
+
+
+@attrs.frozen
+class Call:
+    """Everything :func:`decide` needs to know about one forward call."""
+
+    key: ExportKey
+    grad: GradState
+    session: SessionKey
+    grad_enabled: bool = False  # torch.is_grad_enabled() at the call
+
+
+@attrs.frozen
+class Reuse:
+    pass
+
+
+@attrs.frozen
+class NewSession:
+    reasons: tuple[Reason, ...]
+
+
+@attrs.frozen
+class Reprocess:
+    reasons: tuple[Reason, ...]
+
+
+@attrs.frozen
+class Reexport:
+    reasons: tuple[Reason, ...]
+
+
+Decision: TypeAlias = Reuse | NewSession | Reprocess | Reexport
+
+
+def decision_name(decision: Decision, *, first: bool = False) -> str:
+    if isinstance(decision, Reexport):
+        return "export" if first else "re-export"
+    if isinstance(decision, Reprocess):
+        return "re-process"
+    if isinstance(decision, NewSession):
+        return "new session"
+    return "reuse"
+
+
+@attrs.frozen
+class Transition:
+    """A non-trivial decision in the history, with its reasons; renders as one log line."""
+
+    call: int
+    kind: str
+    reasons: tuple[Reason, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: " + "; ".join(map(str, self.reasons))
+
+
+@attrs.frozen
+class Entry(Generic[P]):
+    """One cached graph: what it was built for, and the shell's artifacts for it."""
+
+    key: ExportKey
+    grad: GradState
+    session: SessionKey
+    payload: P = attrs.field(eq=False)

@@ -1,0 +1,283 @@
+"""One call: the fallback gate, then a bounded loop of attempts, each the fast path or the slow one.
+
+:func:`call` runs one forward: calls like one that fell back run in PyTorch; otherwise
+:func:`run` takes the fast path (the signature the last slow call left, still the most recent
+entry, with nothing changed behind the wrapper) or :func:`attempt` s the slow path (track the
+module, key the call, decide, realize, execute). A recovery (a dynamic scalar found baked in,
+parameters changed behind the wrapper, the exporter switch) is a returned ``Retry``, never a
+recursive call, so the bound on them (:data:`MAX_RECOVERIES`) is visible in :func:`run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import onnx
+import optree
+import torch
+
+from ortfx import io
+from ortfx._torch import in_functorch_transform
+from ortfx.errors import (
+    BUFFER_REQUIRES_GRAD,
+    FUNCTORCH_TRANSFORM,
+    INPUT_ON_OTHER_DEVICE,
+    TOO_MANY_RECOVERIES,
+    OrtfxDeviceError,
+    OrtfxEmptyTensorError,
+    OrtfxError,
+    OrtfxIOError,
+    OrtfxRuntimeError,
+    OrtfxTorchModelError,
+)
+from ortfx.export import (
+    exporting,
+)
+from ortfx.keys import Reuse
+from ortfx.model_info import InputKind, PostExportProcessedModelInfo
+from ortfx.runtime import events, logs, partitioned, watch
+from ortfx.runtime.execute import execute
+from ortfx.runtime.fallback import (
+    attributes_seen,
+    fall_back,
+    fallback_reason,
+    in_torch,
+)
+from ortfx.runtime.guards import context_of, fallback_key, signature_of
+from ortfx.runtime.realize import realize
+from ortfx.runtime.records import (
+    CallFailed,
+    FastPath,
+    Outcome,
+    Retry,
+    Shell,
+    invalidate,
+)
+from ortfx.runtime.watch import Tracked
+from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
+from ortfx.transitions import (
+    apply,
+    count_failure,
+    count_reuse,
+    decide,
+    make_call,
+    note_fallback_call,
+    resolve,
+)
+
+# At most this many recoveries (each a different cause) before a call gives up.
+MAX_RECOVERIES = 3
+
+
+# ---- one call ----------------------------------------------------------------------------------
+
+
+def call(
+    shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Shell]:
+    """Run ``module(*args, **kwargs)`` in ORT (or in PyTorch, as the fallback policy says).
+
+    Returns the result and the shell to commit; raises :class:`CallFailed` otherwise.
+    """
+    if exporting():
+        # Called from a forward that ortfx is exporting (a nested ORTModule): plain code, so
+        # the outer graph takes this module in.
+        return in_torch(shell, module, args, kwargs)
+    if shell.state.fallbacks:
+        reason = fallback_reason(shell, module, args, kwargs)
+        if reason is not None:
+            shell = attrs.evolve(shell, state=note_fallback_call(shell.state, reason))
+            return in_torch(shell, module, args, kwargs)
+    try:
+        if in_functorch_transform():
+            raise OrtfxIOError(FUNCTORCH_TRANSFORM)
+        return run(shell, module, args, kwargs)
+    except OrtfxEmptyTensorError as error:
+        # Only this call: an empty batch says nothing about the next one.
+        logs.empty_batch(shell.log, str(error))
+        reason = f"{type(error).__name__}: {error}"
+        return in_torch(
+            shell.with_state(note_fallback_call(shell.state, reason)), module, args, kwargs
+        )
+    except OrtfxError as error:
+        failed = attrs.evolve(shell, state=count_failure(shell.state))
+        try:
+            fallen = fall_back(shell, error, key=fallback_key(args, kwargs, module))
+        except OrtfxError:
+            raise CallFailed(error, failed) from None
+        return in_torch(fallen, module, args, kwargs)
+    except BaseException as error:
+        raise CallFailed(error, attrs.evolve(shell, state=count_failure(shell.state))) from None
+
+
+def run(
+    shell: Shell, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Shell]:
+    """The fast path if it applies, else attempts; repair and attempt again at most
+    :data:`MAX_RECOVERIES` times."""
+    leaves, spec = io.flatten(io.call_tree(args, kwargs))
+    fast, tracked, state = shell.fast, shell.tracked, shell.state
+    if (
+        fast is not None
+        and tracked is not None
+        and state.entries
+        and state.entries[-1].key is fast.call.key
+        and not tracked.replaced()
+        and not tracked.moved()
+        and tracked.clock == watch.hook_clock()
+        and not tracked.hooks_removed()
+        and not tracked.buffer_grad_changed()
+        and not tracked.attributes_changed()
+        and not tracked.configs_differ()
+        and fast.signature == signature_of(leaves, spec, module, state, tracked)
+    ):
+        # Steady state: the same kind of call as the last one, whose entry is still the most
+        # recent. The signature the slow path left stands in for schema, Call and decide.
+        entry = state.entries[-1]
+        outcome = execute(
+            shell, module, leaves, tracked, fast.call, entry.payload, count_reuse(state)
+        )
+        if not isinstance(outcome, Retry):
+            return outcome
+        shell = outcome.shell
+    causes: list[str] = []
+    for _ in range(MAX_RECOVERIES + 1):
+        outcome = attempt(shell, module, args, kwargs, leaves, spec)
+        if not isinstance(outcome, Retry):
+            return outcome
+        shell = outcome.shell
+        causes.append(outcome.cause)
+    raise OrtfxRuntimeError(TOO_MANY_RECOVERIES.format(count=len(causes), causes="; ".join(causes)))
+
+
+def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
+    """The shell with a current view of the module's tensors."""
+    tracked = shell.tracked
+    if tracked is not None and tracked.replaced():
+        shell = invalidate(shell, "the parameters were replaced outside the wrapper")
+        tracked = None
+    if tracked is not None and (tracked.clock != watch.hook_clock() or tracked.hooks_removed()):
+        cause = tracked.hooks_change()
+        if cause is not None:
+            shell = invalidate(shell, cause)
+            tracked = None
+        else:  # a hook elsewhere in the process: this tree's graphs stand
+            tracked = tracked.with_fresh_hooks()
+            shell = attrs.evolve(shell, tracked=tracked, fast=None)
+    if tracked is not None and tracked.attributes_changed():
+        assert tracked.attributes is not None
+        cause = tracked.attributes.cause()
+        if cause is not None:
+            shell = invalidate(shell, cause)
+            tracked = None
+        else:  # private names or objects only: the traced attributes stand
+            tracked = tracked.with_fresh_attributes()
+            shell = attrs.evolve(shell, tracked=tracked, fast=None)
+    if tracked is not None and tracked.configs_differ():
+        cause = tracked.config_change()
+        if cause is not None:
+            shell = invalidate(shell, cause)
+            tracked = None
+        else:  # metadata only: the graphs stand; compare against the new values from now on
+            tracked = tracked.with_fresh_configs()
+            shell = attrs.evolve(shell, tracked=tracked, fast=None)
+    if tracked is not None and tracked.buffer_grad_changed():
+        tracked = None  # a buffer's flag moved: take the view again (checked in attempt)
+    if tracked is None or tracked.moved():
+        tracked = watch.track(module)
+        shell = attrs.evolve(shell, tracked=tracked, watched=watch.module_ids(module))
+    return shell, tracked
+
+
+def attempt(
+    shell: Shell,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leaves: list[Any],
+    spec: optree.PyTreeSpec,
+) -> Outcome:
+    """The slow path: key, decide, realize, then execute."""
+    shell, tracked = track(shell, module)
+    state = shell.state
+    io.check_leaves(leaves, spec, root="call", where="input")
+    partitioned.check(module, tracked.named_tensors)  # ZeRO-3 needs ortfx's gathering
+    if tracked.buffer_grad and torch.is_grad_enabled():
+        name = tracked.buffer_requiring_grad()
+        raise OrtfxTorchModelError(BUFFER_REQUIRES_GRAD.format(name=name))
+    fed, tensorized = _tensorize(shell, leaves, spec)
+    call = resolve(state, make_call(fed, spec, context_of(shell, module, tracked)))
+    _check_input_devices(fed, call.key.schema, tracked.device)
+    decision = decide(state, call)
+    events.emit("decide", call, decision)
+    if isinstance(decision, Reuse):
+        hit = state.lookup(call.key)
+        assert hit is not None
+        compiled = hit.payload
+    else:
+        compiled, call = realize(shell, module, decision, call, fed, tracked, args, kwargs)
+        baked = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
+        if baked:
+            # The module turned these tensors back into Python values (range(n), if n):
+            # the graph holds the export-time value. Correctness first: make them static.
+            logs.baked_scalars(shell.log, baked)
+            return Retry(
+                attrs.evolve(shell, baked=shell.baked | set(baked), fast=None),
+                f"{', '.join(baked)} baked in",
+            )
+    if compiled.writes:
+        # The forward's own writes (warned): never a change behind its graph.
+        tracked = tracked.with_fresh_attributes(compiled.writes)
+        shell = attrs.evolve(shell, tracked=tracked)
+    new_state = apply(state, call, decision, compiled)
+    result = execute(shell, module, fed, tracked, call, compiled, new_state)
+    if isinstance(result, Retry):
+        return result
+    output, after = result
+    after = attributes_seen(after)  # the export's own writes (warned) are the new baseline
+    if shell.options.dynamic_scalars:
+        return output, after
+    if after.state.entries[-1].key is call.key:
+        now = signature_of(leaves, spec, module, state, tracked)
+        after = attrs.evolve(after, fast=FastPath(now, call))
+    return output, after
+
+
+def _tensorize(
+    shell: Shell, leaves: list[Any], spec: optree.PyTreeSpec
+) -> tuple[list[Any], tuple[int, ...]]:
+    """The leaves as fed to the graph (dynamic scalars as tensors) and which were tensorized."""
+    dynamic = frozenset(shell.options.dynamic_scalars)
+    if not dynamic:
+        return leaves, ()
+    fed = tensorize_scalars(leaves, spec, paths=dynamic)
+    if shell.baked:
+        # Leaves found baked in stay Python values (see _baked_dynamic_scalars).
+        paths = io.leaf_paths(spec, root="call")
+        fed = [leaves[i] if paths[i] in shell.baked else leaf for i, leaf in enumerate(fed)]
+    tensorized = tuple(i for i, (a, b) in enumerate(zip(leaves, fed, strict=True)) if a is not b)
+    return fed, tensorized
+
+
+def _check_input_devices(leaves: list[Any], schema: ModelSchema, device: torch.device) -> None:
+    for i, spec in enumerate(schema.leaves):
+        if isinstance(spec, TensorSpec) and leaves[i].device != device:
+            raise OrtfxDeviceError(
+                INPUT_ON_OTHER_DEVICE.format(
+                    path=schema.paths[i], given=str(leaves[i].device), expected=str(device)
+                )
+            )
+
+
+def _baked_dynamic_scalars(
+    info: PostExportProcessedModelInfo, schema: ModelSchema, tensorized: tuple[int, ...]
+) -> list[str]:
+    """Paths of scalars fed as tensors that the graph does not consume: their value was
+    turned back into a Python value while traced, and so baked in."""
+    if not tensorized:
+        return []
+    model = onnx.load_model_from_string(info.model)
+    consumed = {name for node in model.graph.node for name in node.input}
+    fed = {spec.source: spec.name for spec in info.inputs if spec.kind is InputKind.USER}
+    return [schema.paths[i] for i in tensorized if fed.get(i) not in consumed]

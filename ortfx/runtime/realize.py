@@ -1,0 +1,264 @@
+"""The effectful half of a transition: export (or the persistent cache) and the log line.
+
+:func:`realize` exports the module for a re-export decision (refusing what a trace cannot carry,
+logging what it baked in) or takes the entry's graph for a re-process or a new session; the
+state stays valid if it raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from typing import Any
+
+import attrs
+import torch
+
+from ortfx import module_state, passes
+from ortfx.errors import (
+    STRICT_TRACING_REFUSED,
+    OrtfxExportError,
+    OrtfxTorchModelError,
+)
+from ortfx.export import (
+    BRANCH,
+    Exported,
+    export,
+)
+from ortfx.keys import Call, Decision, Reexport, Reuse, Transition, decision_name
+from ortfx.model_info import PostExportProcessedModelInfo
+from ortfx.runtime import disk_cache, events, logs, partitioned, watch
+from ortfx.runtime.execute import tensor_sizes
+from ortfx.runtime.logs import WrapperLog
+from ortfx.runtime.records import Compiled, Shell, Traced
+from ortfx.runtime.session import (
+    Timings,
+)
+from ortfx.runtime.watch import Tracked
+from ortfx.transitions import traced_for_grad_flags, traced_for_grad_mode
+
+# ---- realize: the effectful part of a transition -----------------------------------------------
+
+
+def realize(
+    shell: Shell,
+    module: torch.nn.Module,
+    decision: Decision,
+    call: Call,
+    leaves: list[Any],
+    tracked: Tracked,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Compiled, Call]:
+    """Export (or reuse an entry's graph for a new session); the old state stays valid if this
+    raises. The call comes back with the key its entry gets (grad mode added when the export
+    found the module asking for it)."""
+    assert not isinstance(decision, Reuse)
+    timings = Timings()
+    pinned: tuple[tuple[int, ...], ...] | None = None
+    writes: tuple[tuple[int, str], ...] = ()
+    if isinstance(decision, Reexport):
+        # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
+        inspect.signature(module.forward).bind(*args, **kwargs)
+        info, timings, traced = _export(shell, module, call, leaves)
+        writes = traced.writes
+        if traced.numbers_from_tensors and _returns_numbers(info):
+            pinned = tensor_sizes(leaves, call)
+            logs.sizes_pinned(shell.log, pinned)
+        if traced.reads_grad_mode:  # the entry serves calls in this grad mode only
+            call = traced_for_grad_mode(call)
+            logs.grad_mode_traced(shell.log, call.grad_enabled)
+        if traced.reads_grad_flags:  # the entry serves calls with these flags only
+            call = traced_for_grad_flags(call)
+            logs.grad_flags_traced(shell.log)
+    else:
+        entry = shell.state.lookup(call.key)
+        assert entry is not None
+        info, pinned = entry.payload.info, entry.payload.pinned_sizes
+    state = shell.state
+    first = state.stats.exports == 0 and isinstance(decision, Reexport)
+    line = str(
+        Transition(state.stats.calls, decision_name(decision, first=first), decision.reasons)
+    )
+    logs.transition(shell.log, line, timings.render() if timings.export else "")
+    return (
+        Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned, writes=writes),
+        call,
+    )
+
+
+def _returns_numbers(info: PostExportProcessedModelInfo) -> bool:
+    kinds = {spec.kind for spec in info.output_schema.leaves}
+    return bool(kinds & {"int", "float", "bool"})
+
+
+LAYERDROP_REFUSED = (
+    "{module} uses LayerDrop in training ({where}.layerdrop = {p}): each step draws whether to "
+    "skip a layer and branches on it in Python, which a traced graph would decide once, at "
+    "export, for every later step. ortfx does not train it in ORT; set layerdrop to 0 (e.g. "
+    "model.config.layerdrop = 0.0) to train in ORT, or let the fallback policy run it in "
+    "PyTorch (the default does). Evaluation is unaffected."
+)
+
+
+def _refuse_layerdrop(module: torch.nn.Module) -> None:
+    """LayerDrop (transformers' ``config.layerdrop``, an attribute ``layerdrop`` of a module):
+    a random Python branch per layer and step, which no exported graph can carry."""
+    for name, sub in module.named_modules():
+        path = name or type(module).__name__
+        holders = ((f"{path}.config", getattr(sub, "config", None)), (path, sub))
+        for where, holder in holders:
+            p = getattr(holder, "layerdrop", None)
+            if isinstance(p, float | int) and not isinstance(p, bool) and p > 0 and sub.training:
+                raise OrtfxTorchModelError(
+                    LAYERDROP_REFUSED.format(module=type(module).__name__, where=where, p=p)
+                )
+
+
+def _export(
+    shell: Shell, module: torch.nn.Module, call: Call, leaves: list[Any]
+) -> tuple[PostExportProcessedModelInfo, Timings, Traced]:
+    """The processed graph, the export's timings, and what the trace depended on."""
+    log = shell.log
+    if call.key.training:
+        _refuse_layerdrop(module)
+    padding = _embedding_padding(module)
+    dynamic = frozenset(shell.options.dynamic_scalars)
+    cached = _from_disk_cache(shell, module, call, padding, dynamic)
+    if isinstance(cached, PostExportProcessedModelInfo):
+        return cached, Timings(), Traced()
+    # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
+    # Muted: a forward that reassigns a buffer while traced is not a module change.
+    with partitioned.gathered_for_export(module):
+        source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
+        with watch.muted(module):
+            exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
+    writes = exported.writes
+    if writes:
+        logs.traced_writes(log, module_state.described(writes))
+    if exported.checkpoint_calls:
+        logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
+    hooked = watch.user_forward_hooks(module)
+    if hooked:
+        logs.traced_hooks(log, hooked)
+    # Imported here: ortfx.aten builds on the TorchScript exporter, which may be missing.
+    from ortfx import aten
+
+    routed = aten.routed_ops(exported.info.model)  # ops run by torch inside the graph
+    if routed:
+        logs.ops_in_torch(log, routed)
+    if exported.tracer_warnings:
+        if call.key.options.strict_tracing:
+            raise OrtfxExportError(
+                STRICT_TRACING_REFUSED.format(
+                    count=len(exported.tracer_warnings),
+                    module=type(module).__name__,
+                    first=exported.tracer_warnings[0].removeprefix("branch: "),
+                )
+            )
+        logs.tracer_baked(
+            log, exported.tracer_warnings, dynamic=bool(shell.options.dynamic_scalars)
+        )
+    info = passes.for_export(padding, dynamic)(exported.info)
+    events.emit("export", info)
+    if cached is not None:
+        _to_disk_cache(
+            log,
+            cached,
+            exported,
+            info,
+            dynamic_scalars=bool(shell.options.dynamic_scalars),
+            writes=bool(writes),
+        )
+    prefix = logs.save_prefix(shell.options)
+    mode = "training" if call.key.training else "inference"
+    logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
+    logs.save_onnx(prefix, "post_processed", mode, info.model)
+    timings = Timings(export=exported.seconds)
+    traced = Traced(
+        exported.numbers_from_tensors,
+        exported.reads_grad_mode,
+        exported.reads_grad_flags,
+        tuple((id(m), name) for m, name in writes),
+    )
+    return info, timings, traced
+
+
+def _from_disk_cache(
+    shell: Shell,
+    module: torch.nn.Module,
+    call: Call,
+    padding: dict[str, int],
+    dynamic: frozenset[str],
+) -> PostExportProcessedModelInfo | disk_cache.Slot | None:
+    """The graph from ``Options.cache_dir`` if it holds this key's entry; else where to store
+    it (None: no cache, or this key cannot be cached)."""
+    if not shell.options.cache_dir:
+        return None
+    log = shell.log
+    slot = disk_cache.slot(shell.options.cache_dir, module, call.key, padding, dynamic)
+    if slot.path is None:
+        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, slot.refused)
+        return None
+    entry = disk_cache.load(slot.path, log)
+    if entry is None:
+        log.log(logging.INFO, disk_cache.CACHE_MISS, slot.path)
+        events.emit("disk_cache", "miss", slot.path)
+        return slot
+    log.log(logging.INFO, disk_cache.CACHE_HIT, slot.path)
+    events.emit("disk_cache", "hit", slot.path)
+    if entry.checkpoint_calls:
+        logs.checkpoint_calls(log, entry.checkpoint_calls, shell.options.memory_opt_level)
+    # This call's schema: its requires_grad flags and root are not part of the digest.
+    return attrs.evolve(entry.info, input_schema=call.key.schema)
+
+
+def _to_disk_cache(
+    log: WrapperLog,
+    slot: disk_cache.Slot,
+    exported: Exported,
+    info: PostExportProcessedModelInfo,
+    *,
+    dynamic_scalars: bool,
+    writes: bool = False,
+) -> None:
+    # Correctness first: a PythonOp names a Python class whose code the digest does not cover;
+    # a branch on tensor values or a Python number taken from a tensor came from this run's
+    # tensors, not from the key. Values computed from sizes (transformers' mask code) are as
+    # safe here as in the in-memory cache, which reuses the graph for every size.
+    branches = [w for w in exported.tracer_warnings if w.startswith(BRANCH)]
+    refused = (
+        f"the graph runs custom autograd Functions ({', '.join(exported.custom_functions)})"
+        if exported.custom_functions
+        else "the graph returns Python numbers computed from tensors"
+        if exported.numbers_from_tensors
+        else "the module reads torch.is_grad_enabled(), so the graph depends on grad mode"
+        if exported.reads_grad_mode
+        else "the forward reads requires_grad of its inputs or parameters"
+        if exported.reads_grad_flags
+        else f"the tracer baked in a branch on tensor values ({branches[0]})"
+        if branches
+        else "the tracer baked in values while scalars are fed as tensors (dynamic_scalars)"
+        if exported.tracer_warnings and dynamic_scalars
+        # A warm start would skip the forward's Python, and with it the exporting call's
+        # writes and the WARNING that names them.
+        else "the forward sets attributes of its modules"
+        if writes
+        else ""
+    )
+    if refused:
+        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, refused)
+        return
+    assert slot.path is not None
+    disk_cache.store(slot.path, disk_cache.Entry(info, exported.checkpoint_calls), log)
+
+
+def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:
+    """Parameter name -> padding_idx of every nn.Embedding that has one."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {
+        names[id(m.weight)]: m.padding_idx
+        for m in module.modules()
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None
+    }

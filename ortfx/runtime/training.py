@@ -1,0 +1,427 @@
+"""Training runners: ORT's gradient graph (built by its C++ training layer), a session with a
+``TrainingAgent`` over it, and the forward and backward runs the autograd bridge calls."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import onnx
+import torch
+
+from ortfx import aten
+from ortfx._torch import engine_accumulates
+from ortfx.errors import (
+    OrtfxInitError,
+    OrtfxRuntimeError,
+)
+from ortfx.function_names import pythonop_functions
+from ortfx.model_info import InputKind, PostExportProcessedModelInfo
+from ortfx.options import Options
+from ortfx.runtime import memgrad, pythonop
+from ortfx.runtime.dlpack import to_ort, to_torch
+from ortfx.runtime.failures import build_failed, check_not_empty, feed_error, first_line, run_failed
+from ortfx.runtime.ort import C, providers_for, require_ort
+from ortfx.runtime.session import (
+    builder_optimized_is_enough,
+    executed_model,
+    install_aten,
+    open_session,
+    releases_torch_threads,
+    releasing,
+    serialized,
+)
+
+_UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
+
+
+def _build_reachable(
+    model: bytes, config: Any, compute_optimizer: bool, pre_grad: str | None
+) -> tuple[Any, frozenset[str]]:
+    """:func:`_build_gradient`, leaving out the inputs and parameters that require grad but
+    reach no output through differentiable ops (a mask compared, a tensor only measured):
+    ORT refuses to build for them, torch leaves their ``.grad`` None. Not when the path goes
+    through rounding (torch gives zeros there): then the build error stands. Returns their
+    names."""
+    dropped: set[str] = set()
+    while True:
+        try:
+            return _build_gradient(model, config, compute_optimizer, pre_grad), frozenset(dropped)
+        except Exception as e:
+            found = _UNREACHABLE.search(str(e))
+            if (
+                found is None
+                or found.group(1) in dropped
+                or _zero_gradient_path(model, found.group(1))
+            ):
+                raise
+            name = found.group(1)
+            dropped.add(name)
+            config.input_names_require_grad = [
+                n for n in config.input_names_require_grad if n != name
+            ]
+            config.initializer_names_to_train = [
+                n for n in config.initializer_names_to_train if n != name
+            ]
+
+
+# Ops through which torch passes a zero gradient (not None): an input reached only through
+# them must get zeros, which leaving it out of the build would not give.
+_ZERO_GRADIENT_OPS = frozenset({"Round", "Floor", "Ceil", "Sign"})
+
+
+def _zero_gradient_path(model: bytes, name: str) -> bool:
+    """Whether ``name`` feeds (at any depth) an op torch differentiates as zero."""
+    graph = onnx.load_model_from_string(model).graph
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    seen, pending = {name}, [name]
+    while pending:
+        for node in consumers.get(pending.pop(), []):
+            if node.op_type in _ZERO_GRADIENT_OPS:
+                return True
+            fresh = [o for o in node.output if o and o not in seen]
+            seen.update(fresh)
+            pending.extend(fresh)
+    return False
+
+
+def _build_gradient(
+    model: bytes, config: Any, compute_optimizer: bool, pre_grad: str | None
+) -> Any:
+    transforms = C.TrainingGraphTransformerConfiguration()
+    transforms.enable_compute_optimizer = compute_optimizer
+    if pre_grad:
+        transforms.optimized_pre_grad_filepath = pre_grad
+    builder = C.OrtModuleGraphBuilder()
+    builder.initialize(model, config)
+    builder.build(transforms)
+    return builder
+
+
+class ForwardRun:
+    """ORT's partial-run state of one training forward, and the PythonOp contexts it kept.
+
+    Dropping it (after backward, or when autograd frees a graph whose backward never ran)
+    releases those contexts.
+    """
+
+    __slots__ = ("contexts", "fed", "state", "trigger")
+
+    def __init__(
+        self,
+        state: Any,
+        contexts: list[int],
+        trigger: torch.Tensor | None,
+        fed: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self.state = state
+        self.contexts = contexts
+        self.trigger = trigger  # memory-efficient gradients: the call's trigger leaf
+        self.fed = fed  # and its parameters (backward nodes may feed them again)
+
+    def __del__(self) -> None:
+        if self.contexts:
+            pythonop.release(self.contexts)
+
+
+@attrs.frozen(eq=False)
+class TrainingRunner:
+    """A gradient graph in a session with a ``TrainingAgent``: forward now, backward later.
+
+    Built by :func:`open_training`; the ORT objects inside are handles nobody rebinds.
+    """
+
+    info: PostExportProcessedModelInfo
+    session: Any
+    agent: Any
+    gradient_build_seconds: float
+    session_seconds: float
+    non_differentiable: frozenset[int]
+    full_shape: frozenset[int]
+    saved_outputs: tuple[int, ...]
+    # Where each backward fetch goes among the autograd Function's inputs.
+    grad_slots: tuple[int, ...]
+    # Graph inputs whose in-place change before backward must raise (all but the tensors the
+    # graph itself updates, which ortfx writes right after the forward).
+    guarded_inputs: tuple[int, ...] = ()
+    # The user inputs among the graph inputs (checked for empty tensors before ORT runs).
+    user_slots: tuple[int, ...] = ()
+    # The graph calls Python (PythonOp nodes): its runs hold pythonop.RUN_LOCK.
+    python_ops: bool = False
+    # Set when ORT's compute optimizer failed on this graph and the build went without it.
+    compute_optimizer_failure: str | None = None
+    # Memory-efficient gradients: where the trigger is among the graph inputs (the fed
+    # parameters follow the graph inputs, see PostExportProcessedModelInfo.fed_params).
+    trigger_slot: int | None = None
+    # ... and the fed parameters whose gradient buffer torch may keep (memgrad.accumulating).
+    owned_grads: frozenset[int] = frozenset()
+    # Runs release torch's idle OpenMP threads first (ortfx.runtime.openmp).
+    releases_torch_threads: bool = False
+
+    def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
+        """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
+        _, stat = self.agent.get_serialized_ortmodule_memory_stat("", probe, False)
+        return {k: (str(v[0]), int(v[1])) for k, v in stat.items()}
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        check_not_empty(self.info, inputs, self.user_slots)
+        n = len(self.info.inputs)
+        graph_inputs = inputs[:n]
+        fed: Sequence[torch.Tensor] = inputs[n] if len(inputs) > n else ()  # type: ignore[assignment]
+        feeds = C.OrtValueVector()
+        feeds.reserve(n)
+        try:
+            for t in graph_inputs:
+                to_ort(feeds, t)
+        except Exception as e:
+            raise feed_error(self.info, graph_inputs, e) from e
+        fetches = C.OrtValueVector()
+        run_state = C.PartialGraphExecutionState()
+        contexts: list[int] = []
+        if not (self.python_ops or fed or self.releases_torch_threads):
+            # No Python in the graph and no threads to release: no thread state to set.
+            try:
+                self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+            except Exception as e:
+                raise run_failed("forward", graph_inputs, e) from e
+        else:
+            with (
+                serialized(self.python_ops),
+                releasing(self.releases_torch_threads),
+                pythonop.training_run() as contexts,
+                memgrad.feeding(fed),
+            ):
+                try:
+                    self.agent.run_forward(feeds, fetches, run_state, C.OrtValueCache())
+                except Exception as e:
+                    pythonop.release(contexts)
+                    raise run_failed("forward", graph_inputs, e) from e
+        trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
+        return to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
+
+    def backward(
+        self,
+        run_state: ForwardRun,
+        grad_outputs: Sequence[torch.Tensor | None],
+        outputs_meta: Sequence[tuple[torch.Size, torch.dtype, torch.device]],
+    ) -> list[torch.Tensor]:
+        feeds = C.OrtValueVector()
+        for k, grad in enumerate(grad_outputs):
+            if k in self.non_differentiable:
+                continue
+            if grad is None:
+                shape, dtype, device = outputs_meta[k]
+                # An unused output's gradient is zero; most feed an Add and broadcast a scalar.
+                grad = torch.zeros(
+                    shape if k in self.full_shape else (), dtype=dtype, device=device
+                )
+            to_ort(feeds, grad)
+        fetches = C.OrtValueVector()
+        trigger = run_state.trigger
+        if trigger is not None and not engine_accumulates(trigger):
+            # autograd.grad / backward(inputs=...): the parameters are no inputs of the
+            # autograd node, so what torch would hand them cannot reach them.
+            raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
+        if not (self.python_ops or run_state.fed or self.releases_torch_threads):
+            try:
+                self.agent.run_backward(feeds, fetches, run_state.state)
+            except Exception as e:
+                raise run_failed("backward", [g for g in grad_outputs if g is not None], e) from e
+        else:
+            with (
+                serialized(self.python_ops),
+                releasing(self.releases_torch_threads),
+                memgrad.accumulating(self.owned_grads),
+                memgrad.feeding(run_state.fed),
+            ):
+                try:
+                    self.agent.run_backward(feeds, fetches, run_state.state)
+                except Exception as e:
+                    failed = [g for g in grad_outputs if g is not None]
+                    raise run_failed("backward", failed, e) from e
+        grads: list[torch.Tensor | None] = list(to_torch(fetches))
+        if trigger is not None:
+            # The trigger's own gradient, last among ORT's (it is the last graph input).
+            grads[-1] = None
+        return grads  # type: ignore[return-value]
+
+
+RESTRICTED_BACKWARD = (
+    "this backward asks for the gradients of some tensors only (torch.autograd.grad or "
+    "backward(inputs=...)) through an ORTModule with "
+    "Options(enable_mem_efficient_grad_management=True), which hands parameter gradients to "
+    "torch only by accumulating them into .grad during a full backward (loss.backward()). "
+    "Turn the option off for this module (ortfx.configure(model, "
+    "enable_mem_efficient_grad_management=False)) to compute restricted gradients."
+)
+
+
+def _guarded_inputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
+    updated = {(u.kind == "input", u.target) for u in info.updates}
+    return tuple(
+        k
+        for k, spec in enumerate(info.inputs)
+        if spec.kind not in (InputKind.INTERNAL, InputKind.TRIGGER)
+        and (spec.kind is InputKind.USER, spec.source) not in updated
+    )
+
+
+def open_training(
+    info: PostExportProcessedModelInfo,
+    device: torch.device,
+    options: Options,
+    *,
+    deterministic: bool,
+    save_prefix: str | None = None,
+    memory: tuple[str, tuple[str, ...]] | None = None,
+    mode: str = "training",
+    probe: bool = False,
+) -> TrainingRunner:
+    """Build ``info``'s gradient graph and open a training session over it.
+
+    ``memory`` is (probe config, plan strings) to turn the memory optimizer on; ``probe`` says
+    the session serves the discovery of those plans. Saved files are
+    named by ``mode``, the export mode ("training", or "inference" for an eval-mode graph).
+    """
+    require_ort()
+    functions = pythonop_functions(info.model)
+    # ORT's registry of Python functions is locked while a graph with PythonOps builds, opens
+    # or runs: a build waiting for the GIL under that lock while another thread's PythonOp
+    # run waits for the lock under the GIL deadlocked (two threads' first calls, 1 in ~50).
+    with serialized(bool(functions)):
+        return _open_training(
+            info,
+            functions,
+            device,
+            options,
+            deterministic=deterministic,
+            save_prefix=save_prefix,
+            memory=memory,
+            mode=mode,
+            probe=probe,
+        )
+
+
+def _open_training(
+    info: PostExportProcessedModelInfo,
+    functions: dict[str, type],
+    device: torch.device,
+    options: Options,
+    *,
+    deterministic: bool,
+    save_prefix: str | None,
+    memory: tuple[str, tuple[str, ...]] | None,
+    mode: str,
+    probe: bool,
+) -> TrainingRunner:
+    from ortfx import passes
+
+    pythonop.prepare(functions)
+    install_aten(info.model)
+    aten.install_standard_gradients()  # gradients ORT lacks for standard ops (Atan)
+    start = time.perf_counter()
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = [i.name for i in info.inputs if i.kind is not InputKind.USER]
+    config.initializer_names_to_train = list(info.params_to_train)
+    config.input_names_require_grad = list(info.user_inputs_requiring_grad)
+    config.build_gradient_graph = True
+    config.enable_caching = False
+    config.use_memory_efficient_gradient = False
+    config.loglevel = C.Severity.ERROR
+    pre_grad = f"{save_prefix}_optimized_pre_grad_{mode}.onnx" if save_prefix else None
+    failure: str | None = None
+    try:
+        builder, unreachable = _build_reachable(
+            info.model, config, options.enable_compute_optimizer, pre_grad
+        )
+    except Exception as e:
+        if not options.enable_compute_optimizer:
+            raise build_failed(info.model, e) from e
+        # ORT 1.19's compute optimizer crashes on some graphs (e.g. logits sliced before
+        # the loss) that build fine without it.
+        failure = first_line(e)
+        try:
+            builder, unreachable = _build_reachable(info.model, config, False, pre_grad)
+        except Exception as again:
+            raise build_failed(info.model, again) from again
+    gi = builder.get_graph_info()
+    gradient_model: bytes = builder.get_gradient_model()
+    gradient_model = passes.for_gradient(
+        gradient_model,
+        fed_params=bool(info.fed_params),
+        forward=info.model,
+        layerwise=options.zero3_layerwise,
+    )
+    gradient_build_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    if save_prefix:
+        with open(f"{save_prefix}_optimized_{mode}.onnx", "wb") as f:
+            f.write(gradient_model)
+    with executed_model(save_prefix, mode, bool(info.fed_params)) as executed:
+        session = open_session(
+            gradient_model,
+            device,
+            options,
+            training=True,
+            deterministic=deterministic,
+            optimized_path=executed,
+            memory=memory,
+            graph_optimizations=not builder_optimized_is_enough(info, device, memory, probe),
+        )
+        owned = _owned_gradients(executed) if info.fed_params else frozenset()
+    feeds = [*gi.user_input_names, *gi.initializer_names]
+    ours = [i.name for i in info.inputs]
+    if feeds != ours:
+        raise OrtfxInitError(
+            f"ORT orders the graph inputs as {feeds}, ortfx as {ours}; "
+            "this is an ortfx bug, please report it."
+        )
+    fetches = [o.name for o in session.get_outputs()]
+    _, ort_device = providers_for(device)
+    # The device lists must match ORT's own counts exactly: a short list aborts the process.
+    n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
+    agent = C.TrainingAgent(
+        session._sess, feeds, [ort_device] * n_forward, fetches, [ort_device] * len(fetches), 0
+    )
+    return TrainingRunner(
+        info=info,
+        session=session,
+        agent=agent,
+        gradient_build_seconds=gradient_build_seconds,
+        session_seconds=time.perf_counter() - start,
+        non_differentiable=frozenset(gi.output_grad_indices_non_differentiable),
+        full_shape=frozenset(gi.output_grad_indices_require_full_shape),
+        saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
+        grad_slots=tuple(
+            k
+            for k, spec in enumerate(info.inputs)
+            if spec.requires_grad and spec.name not in unreachable
+        ),
+        guarded_inputs=_guarded_inputs(info),
+        user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
+        python_ops=bool(functions),
+        compute_optimizer_failure=failure,
+        releases_torch_threads=releases_torch_threads(options, device),
+        trigger_slot=next(
+            (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
+        ),
+        owned_grads=owned,
+    )
+
+
+def _owned_gradients(path: str | None) -> frozenset[int]:
+    """:func:`ortfx.passes.owned_gradients` over the graph the session runs (after ORT's own
+    transformers, which decide what aliases what); none if ORT saved no graph."""
+    from ortfx import passes
+
+    if path is None or not os.path.exists(path):
+        return frozenset()
+    return passes.owned_gradients(onnx.load(path, load_external_data=False), memgrad.FUNCTION_NAME)
