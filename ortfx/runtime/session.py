@@ -19,7 +19,7 @@ from ortfx.errors import (
     OrtfxInitError,
 )
 from ortfx.model_info import PostExportProcessedModelInfo
-from ortfx.options import Options
+from ortfx.options import LogLevel, Options
 from ortfx.runtime import arena, events, openmp, pythonop
 from ortfx.runtime.failures import SESSION_FAILED, unsupported_op
 from ortfx.runtime.ort import ort, providers_for
@@ -81,7 +81,8 @@ def session_options(
         # of the backward (all gradients alive at once, hooks after everything); priority-based
         # order runs each as soon as its gradient exists, last layer first (measured).
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    so.log_severity_level = 3
+    # ORT prints its own log on stderr: errors only, everything at ortfx's VERBOSE level.
+    so.log_severity_level = 0 if options.log_level <= LogLevel.VERBOSE else 3
     for edit in events.session_option_edits:
         edit(so, training)
     return so

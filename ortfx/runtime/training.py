@@ -21,7 +21,7 @@ from ortfx.errors import (
 )
 from ortfx.function_names import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
-from ortfx.options import Options
+from ortfx.options import LogLevel, Options
 from ortfx.runtime import memgrad, pythonop
 from ortfx.runtime.dlpack import to_ort, to_torch
 from ortfx.runtime.failures import build_failed, check_not_empty, feed_error, first_line, run_failed
@@ -334,7 +334,8 @@ def _open_training(
     config.build_gradient_graph = True
     config.enable_caching = False
     config.use_memory_efficient_gradient = False
-    config.loglevel = C.Severity.ERROR
+    verbose = options.log_level <= LogLevel.VERBOSE  # ORT's own log, as in session_options
+    config.loglevel = C.Severity.VERBOSE if verbose else C.Severity.ERROR
     pre_grad = f"{save_prefix}_optimized_pre_grad_{mode}.onnx" if save_prefix else None
     failure: str | None = None
     try:
