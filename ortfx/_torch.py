@@ -140,6 +140,28 @@ def any_autocast() -> bool:
     return any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda", "xpu", "mps"))
 
 
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def user_modes() -> tuple[str, ...]:
+    """The class names of the ``TorchFunctionMode`` s and ``TorchDispatchMode`` s active on
+    this thread (torch keeps its mode stacks per thread), but for torch's own device context
+    (``with torch.device(...)``), which only sets where factories put tensors. Two cheap
+    questions when none is active (every call asks); without torch's private stack queries,
+    none is seen."""
+    if _FUNCTION_MODES is None or _DISPATCH_MODES is None:
+        return ()
+    functions, dispatches = _FUNCTION_MODES(), _DISPATCH_MODES()
+    if not (functions or dispatches):
+        return ()
+    from torch.utils._device import DeviceContext
+
+    modes = [torch._C._get_function_stack_at(i) for i in range(functions)]
+    modes += [torch._C._get_dispatch_stack_at(i) for i in range(dispatches)]
+    return tuple(type(m).__name__ for m in modes if not isinstance(m, DeviceContext))
+
+
 # ---- the TorchScript tracer -----------------------------------------------------------------
 
 TRACING_STATE_MISSING = (

@@ -122,6 +122,17 @@ ZERO3_NOT_CONFIGURED = (
     "deepspeed.initialize(model=ortfx.ORTModule(model), ...) (wrap first, then initialize)."
 )
 
+BACKWARD_HOOKS = (
+    "backward hooks are registered on modules inside the wrapped module ({modules}); ORT "
+    "computes the backward of the whole graph and would never run them, so gradients (and "
+    "what the hooks record) would differ from PyTorch's. Register them on the ORTModule itself "
+    "(they then see the whole module's gradients), use tensor hooks on the parameters, or let "
+    "ortfx run the module in PyTorch (the default fallback policy does)."
+)
+USER_MODES = (
+    "a TorchFunctionMode or TorchDispatchMode of the user's is active ({modes}): it must see "
+    "the ops, which ORT's graph would run unseen; this call runs in PyTorch"
+)
 BUFFER_REQUIRES_GRAD = (
     "buffer {name!r} requires grad; ortfx's graph takes gradients for the module's inputs and "
     "parameters only, so the buffer would get none (PyTorch accumulates one into its .grad). "

@@ -233,11 +233,20 @@ def _may_hold_states(call: CallTree) -> bool:
     return not all(map(_is_plain_leaf, (*args, *kwargs.values())))
 
 
-@contextlib.contextmanager
-def originals(call: CallTree, /) -> Iterator[None]:
+def originals(call: CallTree, /) -> contextlib.AbstractContextManager[None]:
     """Around a call: outputs restored from a graph write into the caller's state objects."""
     found = tuple(states(call)) if _may_hold_states(call) else ()
-    token = _ORIGINALS.set(found or None)
+    if not found and _ORIGINALS.get() is None:
+        return _NOTHING  # the common call: nothing to set (and nothing of an outer call's)
+    return _originals_set(found or None)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _originals_set(found: tuple[Any, ...] | None) -> Iterator[None]:
+    token = _ORIGINALS.set(found)
     try:
         yield
     finally:

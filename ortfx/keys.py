@@ -3,6 +3,7 @@ reasons they carry, and what the cache holds per entry. Frozen, compared by valu
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import attrs
@@ -70,6 +71,11 @@ class GradState:
     memory: tuple[int, str] = (0, "")
     # Options.enable_mem_efficient_grad_management: parameters fed through PythonOps.
     mem_efficient_grad: bool = False
+
+    @functools.cached_property
+    def any_grad(self) -> bool:
+        """Whether any input or parameter requires grad (asked on every call)."""
+        return any(self.inputs) or any(self.params)
 
 
 @attrs.frozen

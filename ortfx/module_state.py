@@ -1,12 +1,13 @@
 """What a module tree holds besides parameters, buffers and submodules: its public attributes.
 
-A forward may branch on them (``self.use_gate``), and torch has no hook for plain attribute
-writes. ortfx compares instead of intercepting: a snapshot of the values, taken when a graph is
-traced, against the values now (no ``nn.Module.__setattr__`` is replaced).
+A forward may branch on them (``self.use_gate``, ``self.act``), and torch has no hook for
+attribute writes. ortfx compares instead of intercepting: a snapshot of the values, taken when a
+graph is traced, against the values now (no ``nn.Module.__setattr__`` is replaced).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -20,6 +21,15 @@ PLAIN: Final[tuple[type, ...]] = (bool, int, float, str, type(None))
 def _public(name: str) -> bool:
     # ``training`` is in every export key already; ``_x`` names are frameworks' bookkeeping.
     return not name.startswith("_") and name != "training"
+
+
+# Marks a value ortfx itself puts on a module for the length of one of its calls (the routed
+# ``forward`` of a user method called through the wrapper): no change behind a graph.
+ROUTED = "_ortfx_routed"
+
+
+def _ours(value: Any) -> bool:
+    return getattr(value, ROUTED, False) is True
 
 
 def attributes(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, str], Any]:
@@ -50,13 +60,16 @@ _MISSING = object()
 
 
 @attrs.frozen(eq=False)
-class PlainAttributes:
-    """The plain public attributes of a module tree, as a graph was traced with them, except
-    those the traced forward set itself (``skip``: warned at export, ORT cannot follow them).
+class Attributes:
+    """The public attributes of a module tree, as a graph was traced with them, except those
+    the traced forward set itself (``skip``: warned at export, ORT cannot follow them).
 
-    :meth:`changed` costs two C-level maps over the attribute dicts and a map over the
-    modules' dict sizes (which sees attributes added or removed): about 8 µs for a 4-layer
-    GPT-2 (60 modules, 144 attributes), well under 1 µs for a few layers."""
+    A value counts as changed when the attribute holds another object, except a plain scalar
+    or string equal to the old one and of the same type (``1`` and ``1.0`` and ``True`` are
+    equal but trace as different constants): ``model.block.act = torch.tanh``, a new tuple or
+    enum member, another tensor all change what the forward traced. An object changed in place
+    (a list appended to) is not seen. :meth:`changed` is two C-level maps (identities, and the
+    sizes of the modules' dicts, which see an attribute added or deleted)."""
 
     modules: tuple[torch.nn.Module, ...]
     module_dicts: tuple[dict[str, Any], ...]
@@ -64,14 +77,13 @@ class PlainAttributes:
     dicts: tuple[dict[str, Any], ...]  # each module's __dict__, once per attribute
     names: tuple[str, ...]
     values: list[Any]
-    types: list[type]  # 1 and 1.0 and True are equal, but trace as different constants
     owners: tuple[torch.nn.Module, ...]
     skip: frozenset[tuple[int, str]] = frozenset()
 
     @classmethod
     def of(
         cls, modules: Iterable[torch.nn.Module], skip: frozenset[tuple[int, str]] = frozenset()
-    ) -> PlainAttributes:
+    ) -> Attributes:
         tree = tuple(modules)
         dicts: list[dict[str, Any]] = []
         names: list[str] = []
@@ -80,7 +92,7 @@ class PlainAttributes:
         for m in tree:
             d = vars(m)
             for n, v in d.items():
-                if _public(n) and type(v) in PLAIN and (id(m), n) not in skip:
+                if _public(n) and (id(m), n) not in skip and not _ours(v):
                     dicts.append(d)
                     names.append(n)
                     values.append(v)
@@ -93,40 +105,44 @@ class PlainAttributes:
             tuple(dicts),
             tuple(names),
             values,
-            list(map(type, values)),
             tuple(owners),
             skip,
         )
 
     def changed(self) -> bool:
-        """Whether an attribute holds another value now, or one was added or deleted (a
-        forward may read a new one with ``getattr(self, name, default)``)."""
+        """Whether an attribute may hold another value now, or one was added or deleted (a
+        forward may read a new one with ``getattr(self, name, default)``); :meth:`cause` then
+        says whether it really does."""
         if list(map(len, self.module_dicts)) != self.sizes:
             return True
-        now = list(map(dict.get, self.dicts, self.names))
-        return now != self.values or list(map(type, now)) != self.types
+        return not all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
 
     def cause(self) -> str | None:
-        """Which public plain attribute changed, for the log; None when only other entries of
-        the modules' dicts did (private names, tensors, objects: :meth:`refreshed` then)."""
+        """Which public attribute changed, for the log; None when none did (an equal scalar
+        set again, a private name added: :meth:`refreshed` then)."""
         for d, name, value, owner in zip(
             self.dicts, self.names, self.values, self.owners, strict=True
         ):
             now = d.get(name, _MISSING)
-            if now is _MISSING or type(now) is not type(value) or now != value:
+            if now is not value and not _same_scalar(now, value):
                 return f"attribute {name!r} of {type(owner).__name__} set outside the wrapper"
         known = set(zip(map(id, self.dicts), self.names, strict=True))
         for m, d in zip(self.modules, self.module_dicts, strict=True):
             for n, v in d.items():
                 if (
                     _public(n)
-                    and type(v) in PLAIN
                     and (id(d), n) not in known
                     and (id(m), n) not in self.skip
+                    and not _ours(v)
                 ):
                     return f"attribute {n!r} of {type(m).__name__} set outside the wrapper"
         return None
 
-    def refreshed(self, skip: Iterable[tuple[int, str]] = ()) -> PlainAttributes:
+    def refreshed(self, skip: Iterable[tuple[int, str]] = ()) -> Attributes:
         """The same tree's attributes as they are now (``skip`` grown by ``skip``)."""
-        return PlainAttributes.of(self.modules, self.skip | frozenset(skip))
+        return Attributes.of(self.modules, self.skip | frozenset(skip))
+
+
+def _same_scalar(now: Any, before: Any) -> bool:
+    """An equal plain value of the same type: the same constant for a trace."""
+    return type(now) is type(before) and type(now) in PLAIN and bool(now == before)

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import copy
 import json
+import pstats
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 import ortfx
 
 ROOT = Path(__file__).resolve().parent.parent
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
 
 
 def _worker(scenario: str, *argv: str, timeout: int = 600) -> dict[str, Any]:
@@ -184,3 +187,171 @@ def test_memory_report_commits_onto_an_invalidation_made_while_it_ran() -> None:
     assert swapped
     assert torch.allclose(wrapped(x), model(x), atol=1e-6)
     assert ortfx.stats(wrapped).exports == 2
+
+
+# ---- what a red-team pass over the reshape found ------------------------------------------------
+
+
+class Configurable(nn.Module):
+    """Branches on attributes of every kind: a function, an enum member, a tuple, a float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act: Any = torch.relu
+        self.kind: Any = "plain"
+        self.window = (0, 2)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x)) * self.scale
+        if self.kind == "tripled":
+            h = h * 3
+        return h[:, self.window[0] : self.window[1]]
+
+
+def test_any_public_attribute_replaced_outside_the_wrapper_exports_again() -> None:
+    """A new object in a public attribute (a function, a string, a tuple, another float) is a
+    change the trace may have read: exported again, outputs equal eager's (1e-6); an equal
+    float set again is no change (no export); the reason names the attribute."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(Configurable())
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    assert torch.allclose(wrapped(x), eager(x), atol=1e-6)
+    exports = 1
+    for name, value in (("act", torch.tanh), ("kind", "tripled"), ("window", (1, 4))):
+        setattr(eager[0], name, value)
+        setattr(wrapped.module[0], name, value)
+        assert torch.allclose(wrapped(x), eager(x), atol=1e-6), name
+        exports += 1
+        assert ortfx.stats(wrapped).exports == exports
+        assert f"attribute {name!r} of Configurable set outside the wrapper" in str(
+            ortfx.explain(wrapped)[-1]
+        )
+    wrapped.module[0].scale = float("1.0")  # another float object, equal
+    wrapped(x)
+    assert ortfx.stats(wrapped).exports == exports
+
+
+def test_a_c_level_profiler_keeps_running_through_an_export() -> None:
+    """cProfile (a C-level profile function no Python hook can call) stays installed and
+    records the forward's functions; the export neither fails nor falls back; outputs equal
+    eager's (1e-6)."""
+    import cProfile
+
+    torch.manual_seed(0)
+    eager = Configurable()
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    x = torch.randn(3, 4)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        out = wrapped(x)
+        still = sys.getprofile() is profiler
+    finally:
+        profiler.disable()
+    assert still
+    assert torch.allclose(out, eager(x), atol=1e-6)
+    assert ortfx.stats(wrapped).fallback_calls == 0
+    recorded = {function for _, _, function in pstats.Stats(profiler).stats}  # type: ignore[attr-defined]
+    assert "forward" in recorded
+
+
+def test_warnings_as_errors_do_not_break_the_export() -> None:
+    """With every warning an error (``-W error``, pytest's ``filterwarnings = error``) the
+    exporters' own deprecations and the tracer's notes do not fail the export; a warning the
+    forward itself raises is still an error, as in eager."""
+    import warnings
+
+    class Warns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, loud: bool = False) -> torch.Tensor:
+            if loud:
+                warnings.warn("the forward's own", UserWarning, stacklevel=1)
+            h = self.lin(x)
+            return h * int(h.shape[0])
+
+    wrapped = ortfx.ORTModule(Warns(), options=STRICT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(torch.randn(3, 4)).sum().backward()
+        assert ortfx.stats(wrapped).exports == 1
+        with pytest.raises(UserWarning, match="the forward's own"):
+            wrapped(torch.randn(3, 4), loud=True)
+
+
+def test_backward_hooks_inside_the_module_are_refused_not_skipped() -> None:
+    """A full backward hook on an inner module never ran under ORT (gradients off by 10x,
+    silently): strict refuses with the typed error naming the module; the default policy runs
+    PyTorch, gradients equal eager's (exactly) and the hook runs; a call without grad still
+    runs in ORT."""
+    from ortfx.errors import BACKWARD_HOOKS
+
+    def times_ten(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+        return (grad_in[0] * 10,)
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    strict = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    default = ortfx.ORTModule(copy.deepcopy(eager))
+    for model in (eager, strict.module, default.module):
+        model[1].register_full_backward_hook(times_ten)
+    x = torch.randn(3, 4)
+    with pytest.raises(ortfx.OrtfxTorchModelError) as info:
+        strict(x).sum().backward()
+    assert str(info.value) == BACKWARD_HOOKS.format(modules="'1' (Linear)")
+    eager(x).sum().backward()
+    default(x).sum().backward()
+    assert torch.equal(eager[0].weight.grad, default.module[0].weight.grad)
+    with torch.no_grad():
+        assert torch.allclose(strict(x), eager(x), atol=1e-6)
+
+
+def test_a_users_dispatch_mode_sees_the_ops_of_that_call() -> None:
+    """Under FlopCounterMode the call runs in PyTorch (the mode counts what eager counts),
+    with one WARNING; later calls run in ORT again; ``with torch.device(...)`` is no such mode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    wrapped = ortfx.ORTModule(copy.deepcopy(model))
+    x = torch.randn(4, 8)
+    counted = []
+    for m in (model, wrapped):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            m(x).sum().backward()
+        counted.append(counter.get_total_flops())
+    assert counted[0] == counted[1] > 0
+    wrapped(x).sum().backward()
+    with torch.device("cpu"):
+        wrapped(x)
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports, stats.fallback_calls, stats.calls) == (1, 1, 3)
+
+
+def test_stats_count_every_call_of_concurrent_threads() -> None:
+    """Four threads' calls on one wrapper: their commits are rebased onto each other, counts
+    added (201 calls), gradients summed as eager's (1e-5)."""
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    wrapped(x).sum().backward()
+
+    def work() -> None:
+        for _ in range(50):
+            wrapped(x).sum().backward()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ortfx.stats(wrapped).calls == 201
+    eager(x).sum().backward()
+    assert eager.weight.grad is not None
+    assert torch.allclose(wrapped.module.weight.grad, eager.weight.grad * 201, rtol=1e-5)

@@ -15,6 +15,7 @@ import contextlib
 import io as _io
 import linecache
 import os
+import re
 import sys
 import threading
 import types
@@ -87,32 +88,73 @@ def torchscript(
     return onnx.load_model_from_string(buffer.getvalue())
 
 
+# The exporters' own warnings, by the module they are attributed to: deprecations inside
+# torch.onnx and torch.export and their helpers (torch.fx, pytree notices through copyreg),
+# onnxscript's, and torch.onnx.export's about its caller (ortfx's exporter module).
+_EXPORTER_MODULES = re.compile(
+    r"(torch\.(onnx|export|_export|jit|fx|_subclasses|_functorch|_dynamo|_higher_order_ops"
+    r"|_library|_guards|_ops|utils\._pytree)|onnxscript|onnx_ir|onnx\b|copyreg"
+    r"|ortfx\.export\.(exporters|trace))"
+)
+_QUIET = threading.local()  # .depth: exports running on this thread
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """While exporting, on this thread only, the exporters' own warnings are not shown (raised
-    outside the user's forward, or the tracer's notes on values it bakes, which ortfx reports
-    itself); the forward's own warnings are shown as in eager, and every warning of another
-    thread goes where it went before. ``warnings.catch_warnings`` would change the process's filters
-    and hide other threads' warnings for the export's duration: the shown-warning hook is
-    wrapped instead, and other threads pass through it to the hook that was there."""
-    exporting = threading.get_ident()
-    previous = warnings.showwarning
-    tracer_warning = _torch.tracer_warning()
+    """While exporting, the exporters' own warnings are not shown, not even turned into errors
+    (``-W error``, pytest's ``filterwarnings = error``): the tracer's notes on values it bakes
+    in (ortfx reports them itself) and what the exporters' modules warn about themselves. The
+    forward's own warnings are shown as in eager, on the forward's line.
 
+    Two filters (by category, and by the module a warning is attributed to) sit in front of the
+    process's filters for the export's duration: another thread's warnings attributed to those
+    modules are ignored meanwhile too (docs/architecture.md). On the exporting thread a
+    shown-warning hook drops what is raised outside the forward and puts a warning an op of the
+    forward raised inside ortfx's watch back on the forward's line; it acts only while this
+    thread exports, so a copy of it kept by someone else's ``catch_warnings`` does nothing."""
+    tracer_warning = _torch.tracer_warning()
+    ours = [
+        ("ignore", None, tracer_warning, None, 0),
+        ("ignore", None, Warning, _EXPORTER_MODULES, 0),
+    ]
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time
+    added = [f for f in ours if f not in filters]
+    for f in reversed(added):
+        filters.insert(0, f)
+    _filters_changed()
+    previous = warnings.showwarning
+    show = _shown_through(previous, tracer_warning)
+    warnings.showwarning = show
+    _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _QUIET.depth -= 1
+        if warnings.showwarning is show:  # else someone replaced it meanwhile: theirs stays
+            warnings.showwarning = previous
+        for f in added:
+            with contextlib.suppress(ValueError):
+                filters.remove(f)
+        _filters_changed()
+
+
+def _filters_changed() -> None:
+    """Tell the warnings machinery its filters changed (it caches decisions per version)."""
+    changed = getattr(warnings, "_filters_mutated", None)
+    if changed is not None:
+        changed()
+
+
+def _shown_through(previous: Any, tracer_warning: type[Warning]) -> Any:
     def show(message: Any, category: type[Warning], filename: str, lineno: int, *rest: Any) -> None:
-        if threading.get_ident() == exporting:
+        if getattr(_QUIET, "depth", 0):  # this thread is exporting
             if issubclass(category, tracer_warning) or not reads.IN_FORWARD.get():
                 return  # the exporters' own (ortfx reports baked values itself)
             if filename in _HANDLERS:  # an op the forward ran, through ortfx's watch
                 filename, lineno = _caller_outside(sys._getframe(1))
         previous(message, category, filename, lineno, *rest)
 
-    warnings.showwarning = show  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        if warnings.showwarning is show:  # else someone replaced it meanwhile: theirs stays
-            warnings.showwarning = previous
+    return show
 
 
 # ortfx's files an op of the user's forward passes through while traced: a warning the op

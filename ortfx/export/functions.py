@@ -170,6 +170,12 @@ def _onnx_type(value: Any, cls: type) -> int:
 # ---- Function bodies the tracer cannot trace ---------------------------------------------------
 
 CONSTANT_NEEDS_GRAD = "Cannot insert a Tensor that requires grad as a constant"
+PROFILER_ACTIVE = (
+    "a custom autograd Function's forward could not be traced, and tracing it again without "
+    "its body needs a profile hook, which cannot run beside the C-level profiler active on this "
+    "thread (cProfile, torch.profiler); export before profiling, or let ortfx run the module in "
+    "PyTorch"
+)
 
 
 @contextlib.contextmanager
@@ -186,6 +192,8 @@ def bodies_untraced() -> Iterator[None]:
     get, put = _torch.tracing_state_access()
     suspended: dict[int, Any] = {}  # id(forward frame) -> the tracing state to restore
     previous = sys.getprofile()
+    if not (previous is None or callable(previous)):
+        raise RuntimeError(PROFILER_ACTIVE)
 
     def hook(frame: types.FrameType, event: Any, arg: Any) -> None:
         if event == "call":

@@ -136,6 +136,9 @@ class Reads:
     # TorchScript tracer ran: the graph holds the traced value as a constant.
     conversions: list[tuple[str, str, int]] = attrs.Factory(list)
     functions: dict[str, type] = attrs.Factory(dict)  # custom Functions met (graph names)
+    # A profiler the watch cannot chain to hid what only its profile hook sees (custom
+    # Functions under the dynamo exporter).
+    unseen: bool = False
 
 
 class _Watch(torch.overrides.TorchFunctionMode):
@@ -290,6 +293,20 @@ class Watch:
     def forward(self) -> Iterator[None]:
         reads, dynamo = self.reads, self.dynamo
         previous = sys.getprofile()
+        token = IN_FORWARD.set(True)
+        if not profile_chains(previous):
+            # A C-level profiler (cProfile, torch.profiler) runs on this thread: a Python hook
+            # can neither call it nor replace it without switching it off. Without the hook:
+            # the graph is keyed on grad mode as if the forward had asked, and what only the
+            # hook sees (Function.apply under the dynamo exporter) is reported unseen.
+            reads.mode = True
+            reads.unseen = dynamo
+            try:
+                with self.mode:
+                    yield
+            finally:
+                IN_FORWARD.reset(token)
+            return
 
         def profile(frame: types.FrameType, event: Any, arg: Any) -> None:
             if event == "c_call":
@@ -307,13 +324,18 @@ class Watch:
                 previous(frame, event, arg)
 
         sys.setprofile(profile)
-        token = IN_FORWARD.set(True)
         try:
             with self.mode:
                 yield
         finally:
             IN_FORWARD.reset(token)
             sys.setprofile(previous)
+
+
+def profile_chains(previous: Any) -> bool:
+    """Whether a profile hook set now can pass every event on to ``previous`` (the thread's
+    profiler: none, or a Python callable; a C-level profiler's object is not callable)."""
+    return previous is None or callable(previous)
 
 
 @contextlib.contextmanager

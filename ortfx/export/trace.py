@@ -49,6 +49,13 @@ EXPORT_FAILED = (
     "{error_type}: {error}. If the model uses an operation this exporter cannot express, try the "
     "other exporter (Options(exporter={other!r})), or let ortfx fall back to PyTorch."
 )
+FUNCTIONS_UNSEEN = (
+    "the dynamo exporter inlines custom autograd Functions (their backward would be lost), and "
+    "ortfx sees them through a profile hook, which cannot run beside the C-level profiler "
+    "active on this thread (cProfile, torch.profiler). Export with "
+    "Options(exporter='torchscript'), export before profiling, or let ortfx run the module in "
+    "PyTorch (the default fallback policy does)."
+)
 CUSTOM_FUNCTIONS_DISABLED = (
     "the module calls the custom torch.autograd.Function(s) {names}, and custom Functions are "
     "turned off (Options(enable_custom_autograd_function=False) or "
@@ -292,6 +299,8 @@ def export(
                 )
             if seen.refused is not None:
                 raise _refusal(module, seen.refused)
+            if seen.unseen:
+                raise OrtfxExportError(FUNCTIONS_UNSEEN)
             if seen.functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(
                     CUSTOM_FUNCTIONS_DISABLED.format(names=", ".join(sorted(seen.functions)))

@@ -18,12 +18,13 @@ import optree
 import torch
 
 from ortfx import io
-from ortfx._torch import in_functorch_transform
+from ortfx._torch import in_functorch_transform, user_modes
 from ortfx.errors import (
     BUFFER_REQUIRES_GRAD,
     FUNCTORCH_TRANSFORM,
     INPUT_ON_OTHER_DEVICE,
     TOO_MANY_RECOVERIES,
+    USER_MODES,
     OrtfxDeviceError,
     OrtfxEmptyTensorError,
     OrtfxError,
@@ -89,6 +90,16 @@ def call(
         if reason is not None:
             shell = attrs.evolve(shell, state=note_fallback_call(shell.state, reason))
             return in_torch(shell, module, args, kwargs)
+    modes = user_modes()
+    if modes:
+        # A mode of the user's (FlopCounterMode, a tracer, a logger of ops) must see the ops,
+        # and ORT's graph runs none it could see: this call runs in PyTorch, as eager.
+        reason = USER_MODES.format(modes=", ".join(modes))
+        if reason not in shell.said:  # once per set of modes
+            logs.user_modes(shell.log, reason)
+            shell = attrs.evolve(shell, said=shell.said | {reason})
+        shell = shell.with_state(note_fallback_call(shell.state, reason))
+        return in_torch(shell, module, args, kwargs)
     try:
         if in_functorch_transform():
             raise OrtfxIOError(FUNCTORCH_TRANSFORM)
@@ -123,13 +134,7 @@ def run(
         and tracked is not None
         and state.entries
         and state.entries[-1].key is fast.call.key
-        and not tracked.replaced()
-        and not tracked.moved()
-        and tracked.clock == watch.hook_clock()
-        and not tracked.hooks_removed()
-        and not tracked.buffer_grad_changed()
-        and not tracked.attributes_changed()
-        and not tracked.configs_differ()
+        and tracked.unchanged()
         and fast.signature == signature_of(leaves, spec, module, state, tracked)
     ):
         # Steady state: the same kind of call as the last one, whose entry is still the most

@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from ortfx.errors import (
+    BACKWARD_HOOKS,
     INPUT_CHANGED_IN_PLACE,
     NO_GRADIENT_GRAPH,
     OUTPUT_DTYPE_CHANGED,
@@ -27,6 +28,7 @@ from ortfx.errors import (
     OrtfxInitError,
     OrtfxIOError,
     OrtfxRuntimeError,
+    OrtfxTorchModelError,
     OrtfxWarning,
 )
 from ortfx.export import (
@@ -62,11 +64,13 @@ def execute(
     if info.updates:
         _check_updated_inputs(info, leaves, call)
     inputs = info.construct_inputs_flat(leaves, tracked.named_tensors)
-    needs_grad = torch.is_grad_enabled() and (any(call.grad.inputs) or any(call.grad.params))
+    needs_grad = call.grad.any_grad and torch.is_grad_enabled()
     built = compiled
     try:
         if needs_grad and not built.forward_only:
             sizes = info.user_sizes(leaves)
+            if built.training is None:  # the entry's first backward: would hooks be skipped?
+                _refuse_backward_hooks(module)
             if built.training is None or built.sizes != sizes:
                 try:
                     built = training_for_sizes(shell, built, tracked.device, call, leaves, sizes)
@@ -107,7 +111,7 @@ def execute(
         return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
     if not built.ran:
         _check_output_dtypes(info, outputs)
-    if any(o.numel() == 0 for o in outputs):
+    if 0 in [o.numel() for o in outputs]:
         built = check_empty_outputs(built, module, leaves, call)
     if info.updates:
         _copy_back(info, outputs, leaves, tracked)
@@ -144,6 +148,14 @@ def _sizes_changed(
         return None
     cause = PINNED_SIZES_CHANGED.format(before=list(map(list, pinned)), now=list(map(list, sizes)))
     return Retry(invalidate(shell, cause), cause)
+
+
+def _refuse_backward_hooks(module: torch.nn.Module) -> None:
+    """Module backward hooks inside the tree (``register_full_backward_hook``, pre-hooks,
+    torch's global ones) never run when ORT computes the backward: refused, not skipped."""
+    hooked = watch.backward_hooks(module)
+    if hooked:
+        raise OrtfxTorchModelError(BACKWARD_HOOKS.format(modules=", ".join(hooked)))
 
 
 def _first_line(error: Exception) -> str:

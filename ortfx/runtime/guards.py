@@ -3,7 +3,8 @@
 Each :class:`Global` is a name and a reader (of the module's device). Every call reads the whole
 table once, and the same values make
 
-- the fast path's signature (:func:`signature_of`): every entry, as read;
+- the fast path's signature (:func:`signature_of`): every entry it needs (``fast``: all the
+  keyed ones, so equal signatures mean equal keys), as read;
 - the export and session keys' context (:func:`context_of`): the entries that can change the
   graph or its session (``keyed``), under their ``CallContext`` field names;
 - the fallback key (:func:`fallback_key`): every entry (a call under ``torch.autocast``, vmap,
@@ -62,36 +63,63 @@ class Global:
     """One piece of torch's global (process- or thread-wide) state a call depends on."""
 
     name: str  # its CallContext field, when keyed
-    read: Callable[[torch.device], Hashable]
+    # The question, asked with no argument, or with the module's device (``device=True``).
+    read: Callable[..., Hashable]
     keyed: bool  # it can change the exported graph or its session
     # From the value read (cheap to compare on every call) to the key's form.
     as_key: Callable[[Any], Hashable] = _same
+    # Read by the fast path's signature: every keyed entry (equal signatures must mean equal
+    # keys); an unkeyed one only where it decides something the fast path would skip.
+    fast: bool = True
+    device: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.keyed and not self.fast:
+            raise ValueError(f"guard {self.name!r} is keyed, so the fast path must read it")
 
 
 GLOBALS: tuple[Global, ...] = (
-    Global("grad_enabled", lambda device: torch.is_grad_enabled(), keyed=True),
-    Global(
-        "deterministic", lambda device: torch.are_deterministic_algorithms_enabled(), keyed=True
-    ),
-    Global("autocast", autocast, keyed=True),
+    Global("grad_enabled", torch.is_grad_enabled, keyed=True),
+    Global("deterministic", torch.are_deterministic_algorithms_enabled, keyed=True),
+    Global("autocast", autocast, keyed=True, device=True),
     # The dtype object itself: equal exactly when the name in the key is.
-    Global(
-        "default_dtype", lambda device: torch.get_default_dtype(), keyed=True, as_key=_dtype_name
-    ),
-    Global("inference_mode", lambda device: torch.is_inference_mode_enabled(), keyed=False),
-    Global("functorch_transform", lambda device: in_functorch_transform(), keyed=False),
+    Global("default_dtype", torch.get_default_dtype, keyed=True, as_key=_dtype_name),
+    # The graph serves calls under inference_mode as any no-grad call, and a call inside a
+    # torch.func transform never reaches the fast path (it is refused first): in the fallback
+    # key only.
+    Global("inference_mode", torch.is_inference_mode_enabled, keyed=False, fast=False),
+    Global("functorch_transform", in_functorch_transform, keyed=False, fast=False),
 )
-_READERS = tuple(g.read for g in GLOBALS)
+FAST: tuple[Global, ...] = tuple(g for g in GLOBALS if g.fast)
 
 
-def read(device: torch.device) -> tuple[Hashable, ...]:
-    """Every entry of :data:`GLOBALS`, in order, as it is now."""
-    return tuple([reader(device) for reader in _READERS])
+def _reader(table: tuple[Global, ...]) -> Callable[[torch.device], tuple[Hashable, ...]]:
+    """One function that reads every entry of ``table`` into a tuple: the calls written out
+    (as ``namedtuple`` and attrs write their methods), since the fast path runs it on every
+    call and a loop over the readers cost about twice as much."""
+    names = {f"read_{i}": g.read for i, g in enumerate(table)}
+    body = ", ".join(
+        f"{name}(device)" if g.device else f"{name}()" for name, g in zip(names, table, strict=True)
+    )
+    made: Callable[[torch.device], tuple[Hashable, ...]] = eval(f"lambda device: ({body},)", names)
+    return made
 
 
-def keyed(values: Sequence[Hashable]) -> dict[str, Any]:
-    """The keyed entries of ``values`` (from :func:`read`) by field name, in the key's form."""
-    return {g.name: g.as_key(v) for g, v in zip(GLOBALS, values, strict=True) if g.keyed}
+_READ_ALL = _reader(GLOBALS)
+_READ_FAST = _reader(FAST)
+
+
+def read(device: torch.device, *, fast: bool = False) -> tuple[Hashable, ...]:
+    """The entries of :data:`GLOBALS` (only those the fast path reads, with ``fast``), in
+    order, as they are now."""
+    return (_READ_FAST if fast else _READ_ALL)(device)
+
+
+def keyed(values: Sequence[Hashable], *, fast: bool = False) -> dict[str, Any]:
+    """The keyed entries of ``values`` (from :func:`read` with the same ``fast``) by field
+    name, in the key's form."""
+    table = FAST if fast else GLOBALS
+    return {g.name: g.as_key(v) for g, v in zip(table, values, strict=True) if g.keyed}
 
 
 def signature_of(
@@ -110,7 +138,7 @@ def signature_of(
         tracked.requires_grad(),
         tracked.device,
         tracked.modes(),
-        read(tracked.device),
+        read(tracked.device, fast=True),
     )
 
 
@@ -130,7 +158,7 @@ def context_of(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallC
         settings=session_settings(options),
         mem_efficient_grad=options.enable_mem_efficient_grad_management,
         other_mode=tracked.other_mode(module.training),
-        **keyed(read(tracked.device)),
+        **keyed(read(tracked.device, fast=True), fast=True),
     )
 
 

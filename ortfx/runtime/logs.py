@@ -191,6 +191,10 @@ def sizes_pinned(log: WrapperLog, sizes: tuple[tuple[int, ...], ...]) -> None:
     log.log(logging.WARNING, errors.SIZES_PINNED, list(map(list, sizes)))
 
 
+def user_modes(log: WrapperLog, reason: str) -> None:
+    log.log(logging.WARNING, "%s (said once per set of modes)", reason)
+
+
 def empty_batch(log: WrapperLog, why: str) -> None:
     log.log(logging.INFO, "%s", why)
 

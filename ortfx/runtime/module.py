@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortfx import io
+from ortfx import io, module_state
 from ortfx.errors import (
     ALREADY_WRAPPED,
     BAD_DEBUG_OPTIONS,
@@ -412,6 +412,7 @@ def _on_module(name: str) -> Callable[..., Any]:
                 return real(module, *a, **k)
             return self._ortfx_forward(*a, **k)
 
+        setattr(routed, module_state.ROUTED, True)  # ortfx's own, for this call only
         object.__setattr__(module, "forward", routed)  # an instance attribute, for this call
         try:
             return getattr(module, name)(*args, **kwargs)

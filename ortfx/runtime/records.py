@@ -24,7 +24,7 @@ from ortfx.runtime.logs import WrapperLog
 from ortfx.runtime.session import Timings
 from ortfx.runtime.training import TrainingRunner
 from ortfx.runtime.watch import Fingerprint, Tracked
-from ortfx.transitions import ExportState, bump_module_version
+from ortfx.transitions import ExportState, Stats, bump_module_version
 
 
 @attrs.frozen
@@ -126,11 +126,25 @@ def rebase(result: Shell, *, base: Shell, current: Shell) -> Shell:
         )
     if current.tracked is None and base.tracked is not None:
         result = attrs.evolve(result, tracked=None, fast=None)
+    if current.state.stats is not base.state.stats:
+        # Another thread's calls meanwhile: their counts are added, not overwritten.
+        counted = _stats_sum(result.state.stats, current.state.stats, base.state.stats)
+        result = result.with_state(attrs.evolve(result.state, stats=counted))
     if current.state.fallbacks != base.state.fallbacks:
         fallbacks = tuple(dict.fromkeys((*result.state.fallbacks, *current.state.fallbacks)))
         state = attrs.evolve(result.state, fallbacks=fallbacks)
         result = attrs.evolve(result, state=state, fast=None)
     return result
+
+
+def _stats_sum(result: Stats, current: Stats, base: Stats) -> Stats:
+    """``result`` plus what ``current`` counted beyond ``base`` (integer counters only)."""
+    changes = {
+        f.name: getattr(result, f.name) + getattr(current, f.name) - getattr(base, f.name)
+        for f in attrs.fields(Stats)
+        if isinstance(getattr(base, f.name), int)
+    }
+    return attrs.evolve(result, **changes)
 
 
 def invalidate(shell: Shell, cause: str) -> Shell:

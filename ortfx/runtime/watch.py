@@ -24,7 +24,7 @@ import torch
 
 from ortfx import _torch
 from ortfx.errors import PARAMS_ON_SEVERAL_DEVICES, OrtfxDeviceError
-from ortfx.module_state import PlainAttributes
+from ortfx.module_state import Attributes
 
 Fingerprint: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
@@ -83,7 +83,27 @@ class Tracked:
     buffer_grad: bool = False
     # The public plain attributes of every module of the tree (``self.use_gate``), as the graph
     # was traced with them: torch has no hook for their writes, so each call compares.
-    attributes: PlainAttributes | None = None
+    attributes: Attributes | None = None
+
+    def unchanged(self) -> bool:
+        """Nothing the graph was built over changed behind the wrapper: the first parameter's
+        slot and device, the hook clock and tables, the buffers' flags, the public attributes,
+        the configs. The fast path's one check, inline (each test is cheap; most are skipped
+        for what the tree does not have)."""
+        if self.first_slot is not None:
+            owner, name = self.first_slot
+            first = self.params[0]
+            if _torch.own_parameters(owner).get(name) is not first or first.device != self.device:
+                return False
+        if self.clock != _torch.hook_handles_made():
+            return False
+        if self.hook_sizes and any(len(table) != size for table, size in self.hook_sizes):
+            return False
+        if self.buffers and any(b.requires_grad for b in self.buffers) != self.buffer_grad:
+            return False
+        if self.attributes is not None and self.attributes.changed():
+            return False
+        return not (self.configs and any(vars(c) != copied for _, c, copied in self.configs))
 
     def replaced(self) -> bool:
         if self.first_slot is None:
@@ -114,7 +134,7 @@ class Tracked:
         """This view with the attributes as they are now: after ortfx itself ran the forward
         (an export, a call in PyTorch), whose own writes are not a change behind the graph;
         ``skip``: the (module id, name) of attributes an exported forward sets itself."""
-        attributes = self.attributes or PlainAttributes.of(self.modules)
+        attributes = self.attributes or Attributes.of(self.modules)
         return attrs.evolve(self, attributes=attributes.refreshed(skip))
 
     def with_fresh_hooks(self) -> Tracked:
@@ -223,7 +243,7 @@ def track(module: torch.nn.Module) -> Tracked:
         hook_sizes(tree),
         tuple(buffers.values()),
         any(b.requires_grad for b in buffers.values()),
-        PlainAttributes.of(tree),
+        Attributes.of(tree),
     )
 
 
@@ -258,6 +278,23 @@ def user_forward_hooks(module: torch.nn.Module) -> tuple[str, ...]:
                 owner = getattr(function, "__module__", None) or ""
                 if owner.split(".")[0] not in _LIBRARY_HOOKS:
                     found.append(repr(name or "the module") + f" ({type(sub).__name__})")
+    return tuple(dict.fromkeys(found))
+
+
+def backward_hooks(module: torch.nn.Module) -> tuple[str, ...]:
+    """The modules of the tree with backward hooks or pre-hooks (any code's but ortfx's, and
+    torch's global ones, which apply to every module), as ``'name' (Type)``: ORT computes the
+    backward of the whole graph, so none of them would ever run."""
+    found = []
+    named = [*module.named_modules(), ("every module (global hooks)", None)]
+    for name, sub in named:
+        for table in _torch.hook_tables(sub)[2:]:  # backward pre-hooks, backward hooks
+            for hook in table.values():
+                function = getattr(hook, "func", hook)  # functools.partial
+                if (getattr(function, "__module__", None) or "").startswith("ortfx."):
+                    continue
+                where = repr(name or "the module") if sub is not None else name
+                found.append(where + (f" ({type(sub).__name__})" if sub is not None else ""))
     return tuple(dict.fromkeys(found))
 
 
