@@ -1,6 +1,7 @@
 """Wrapper overhead of ortfx on a model where overhead dominates (Linear(16, 16), batch 4).
 
     python -m bench.overhead [--steps 3000] [--threads 1] [--profile]
+    python -m bench.overhead --against DIR [--repeats 6]
 
 Measures, per training step (forward + ``loss.backward()`` + ``zero_grad``; no optimizer):
 
@@ -12,6 +13,11 @@ Measures, per training step (forward + ``loss.backward()`` + ``zero_grad``; no o
    cost on top of running the graph;
 4. ``--profile``: cProfile top functions by own time, and a pyinstrument tree if installed
    (where the shell's time goes, function by function).
+
+``--against DIR`` measures another checkout of ortfx (e.g. ``git worktree add /tmp/before
+<commit>``, with the compiled bridge copied in) the same way, its processes interleaved with this
+tree's (same host, same moment), and reports both and the difference: a change to the call path
+is "no slower" only by this paired comparison.
 
 No private name is patched: the runner is reached through the designed event seam.
 
@@ -156,19 +162,96 @@ def run_paired(steps: int, warmup: int, threads: int, block: int = 50) -> dict[s
     }
 
 
-def in_subprocess(mode: str, ns: argparse.Namespace) -> dict[str, Any]:
+def in_subprocess(mode: str, ns: argparse.Namespace, tree: Any = None) -> dict[str, Any]:
+    """One mode in a fresh process, of this checkout or of ``tree`` (another checkout: its
+    ``ortfx`` and ``bench`` are imported, through ``PYTHONPATH`` and the working directory)."""
     import json
+    import os
     import subprocess
 
+    root = common.ROOT if tree is None else tree
     cmd = [sys.executable, "-m", "bench.overhead", "--_mode", mode, "--steps", str(ns.steps),
            "--warmup", str(ns.warmup), "--threads", str(ns.threads)]  # fmt: skip
     if ns.pin is not None:
         cmd += ["--pin", str(ns.pin)]
-    out = subprocess.run(cmd, env=common.thread_env(ns.threads), cwd=common.ROOT,
-                         capture_output=True, text=True, check=False)  # fmt: skip
+    env = {**common.thread_env(ns.threads), "PYTHONPATH": str(root)}
+    env.pop("PYTHONSAFEPATH", None)
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
+                         check=False)  # fmt: skip
     if out.returncode:
-        raise SystemExit(f"{mode} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{mode} ({root}) failed:\n{out.stderr[-3000:]}")
+    found: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    found["ortfx_from"] = os.path.realpath(root)
+    return found
+
+
+def _commit(tree: Any) -> str:
+    """The short commit a checkout is at (``+`` when its files differ from it)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+        return out.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    return head + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def against(ns: argparse.Namespace) -> str:
+    """This checkout against ``ns.against``, interleaved process by process (paired mode and
+    the plain ortfx step, ``ns.repeats`` rounds, the order alternating each round)."""
+    from pathlib import Path
+
+    other = Path(ns.against).resolve()
+    trees = {"this": None, "against": other}
+    modes = ("paired", "ortfx")
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {
+        (t, m): [] for t in trees for m in modes
+    }
+    for r in range(ns.repeats):
+        order = list(trees) if r % 2 == 0 else list(reversed(trees))
+        for m in modes:
+            for t in order:
+                res = in_subprocess(m, ns, trees[t])
+                results[(t, m)].append(res)
+                key = "overhead_us" if m == "paired" else "step_us"
+                print(f"round {r} {t:8s} {m:7s} {key} {res[key]:.1f}", flush=True)
+
+    def stat(t: str, m: str, key: str) -> float:
+        return med([x[key] for x in results[(t, m)]])
+
+    rows = [
+        ("paired: ortfx step", "paired", "ortfx_us"),
+        ("paired: runner alone (ORT + DLPack)", "paired", "ort_us"),
+        ("paired: **ortfx - runner (the shell)**", "paired", "overhead_us"),
+        ("paired: eager step", "paired", "eager_us"),
+        ("ortfx step, own process", "ortfx", "step_us"),
+        ("ortfx forward, own process", "ortfx", "fwd_us"),
+        ("ortfx backward, own process", "ortfx", "bwd_us"),
+    ]
+    lines = [
+        "",
+        f"This checkout ({common.ROOT}, {_commit(common.ROOT)}) against {other} "
+        f"({_commit(other)}), {ns.repeats} rounds, each a fresh "
+        "process per tree and mode, interleaved (medians over rounds; us):",
+        "",
+        "| measurement | this | against | this - against |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, m, key in rows:
+        a, b = stat("this", m, key), stat("against", m, key)
+        lines.append(f"| {label} | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+    shell = [
+        x["overhead_us"] - y["overhead_us"]
+        for x, y in zip(results[("this", "paired")], results[("against", "paired")], strict=True)
+    ]
+    lines += [
+        "",
+        f"Per round, this - against on the shell's overhead: "
+        f"{', '.join(f'{d:+.1f}' for d in shell)} us "
+        f"(this faster in {sum(d < 0 for d in shell)} of {len(shell)}).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def profile(ns: argparse.Namespace) -> str:
@@ -214,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per mode")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--tag", default="")
+    p.add_argument("--against", help="another checkout of ortfx to compare with, interleaved")
     p.add_argument("--_mode", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     common.pin(ns.pin)
@@ -227,6 +311,21 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(run_mode(ns._mode, ns.steps, ns.warmup, ns.threads)))
         return
     mach = common.machine()
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    if ns.against:
+        text = (
+            f"# ortfx wrapper overhead against another checkout ({mach['date'][:10]})\n\n"
+            f"Machine: {common.describe(mach)}\n\n"
+            f"Command: `python -m bench.overhead {command}`\n\n"
+            f"Model: Linear(16, 16), batch 4, loss = mean(square(y)); step = forward + backward "
+            f"+ zero_grad; {ns.steps} steps after {ns.warmup} warm-up; {ns.threads} thread(s).\n"
+            + against(ns)
+        )
+        stem = common.RESULTS / f"overhead-against-{ns.tag or common.stamp()}"
+        common.RESULTS.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".md").write_text(text)
+        print(text)
+        return
     modes = ["eager", "ortfx", "runner", "paired"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(ns.repeats):

@@ -310,7 +310,9 @@ def test_tensorize_scalars_feeds_chosen_leaves_as_tensors() -> None:
 def test_core_imports_without_onnxruntime() -> None:
     code = (
         "import sys; sys.modules['onnxruntime'] = None\n"
-        "import ortfx.io, ortfx.schema, ortfx.transitions, ortfx.model_info, ortfx.options\n"
+        "import ortfx.io, ortfx.schema, ortfx.keys, ortfx.reasons, ortfx.transitions\n"
+        "import ortfx.model_info, ortfx.module_state, ortfx.function_names, ortfx.options\n"
+        "import ortfx.errors, ortfx.memory, ortfx._torch, ortfx.passes, ortfx.export\n"
         "assert not any(m.startswith('onnxruntime') and sys.modules[m] for m in sys.modules)\n"
         "print('ok')"
     )

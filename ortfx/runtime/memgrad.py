@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from ortfx import _torch
 from ortfx.function_names import function_graph_name
 
 # .params: the parameters of the ORT forward running on this thread; .accumulating: True while
@@ -112,9 +113,11 @@ def give(param: torch.Tensor, index: int, version: int, grad: torch.Tensor) -> N
         # A partitioned parameter's data is swapped by its gathers: no version to check.
         fetcher.accumulate(param, grad)
         return
-    if param._version != version:
+    if _torch.version(param) != version:
         raise RuntimeError(
-            CHANGED_IN_PLACE.format(shape=list(param.shape), seen=version, now=param._version)
+            CHANGED_IN_PLACE.format(
+                shape=list(param.shape), seen=version, now=_torch.version(param)
+            )
         )
     # torch's engine (re-entered on this thread): AccumulateGrad with every hook, now.
     if index in _LOCAL.owned:
@@ -150,7 +153,7 @@ class FeedParameter(torch.autograd.Function):
         param, value, fetched = take(index)
         ctx.param = param
         ctx.index = index
-        ctx.version = param._version
+        ctx.version = _torch.version(param)
         if fetched:
             # The value is ORT's alone: the bridge keeps no reference to it until backward.
             ctx.ortfx_drop_outputs = True

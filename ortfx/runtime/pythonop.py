@@ -37,6 +37,7 @@ import attrs
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defined]
 
+from ortfx import _torch
 from ortfx.errors import OrtfxInitError
 from ortfx.runtime import memgrad, openmp
 
@@ -209,7 +210,7 @@ def _feed_forward(index: int) -> list[Any]:
     capsule = _capsule(value, frozenset())
     if run is None:
         return [None, capsule]
-    ctx = memgrad.Fed(param, index, param._version, next(_TOKENS))
+    ctx = memgrad.Fed(param, index, _torch.version(param), next(_TOKENS))
     with _LOCK:
         _CONTEXTS[ctx.token] = ctx  # also the second reference ORT wants on a training ctx
     run.append(ctx.token)
@@ -346,7 +347,7 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         # Every output has its grad: nothing to materialize, so call backward directly, as
         # the engine would (about 3x cheaper than going through it).
         with torch.no_grad():
-            direct = _as_tuple(type(ctx)._forward_cls.backward(ctx, *grads))
+            direct = _as_tuple(_torch.function_class(ctx).backward(ctx, *grads))
         storages = _storages(grads)
         return [
             _capsule(r, storages) if leaf is not None else None

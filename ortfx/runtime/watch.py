@@ -225,7 +225,10 @@ def track(module: torch.nn.Module) -> Tracked:
         # names skip its _original_module level).
         first = next(iter(params.values()))
         first_slot = next(
-            (m, n) for m in module.modules() for n, p in m._parameters.items() if p is first
+            (m, n)
+            for m in module.modules()
+            for n, p in _torch.own_parameters(m).items()
+            if p is first
         )
     modules = dict(module.named_modules())
     tree = tuple(modules.values())
