@@ -189,6 +189,35 @@ def trace_value_of(tensor: torch.Tensor) -> None:
     get(tensor)
 
 
+# TorchScript trace nodes that read only a tensor's sizes, never its values.
+_SIZE_NODES = frozenset({"aten::size", "aten::numel", "aten::dim", "prim::shape", "aten::len"})
+
+
+def traced_origin(tensor: torch.Tensor) -> str:
+    """Where the running TorchScript trace computes ``tensor`` from: ``"data"`` (the values of
+    a traced input, parameter or buffer), ``"size"`` (only their sizes) or ``"constant"``."""
+    get = getattr(torch._C, "_get_value_trace", None)
+    if get is None:
+        raise RuntimeError(TRACING_STATE_MISSING.format(version=torch.__version__))
+    seen: set[int] = set()
+    pending = [get(tensor)]
+    origin = "constant"
+    while pending:
+        value = pending.pop()
+        if value.unique() in seen:
+            continue
+        seen.add(value.unique())
+        node = value.node()
+        kind = node.kind()
+        if kind == "prim::Param":
+            return "data"
+        if kind in _SIZE_NODES:
+            origin = "size"
+            continue
+        pending.extend(node.inputs())
+    return origin
+
+
 def tracer_warning() -> type[Warning]:
     """TorchScript's TracerWarning, imported on use: ``import ortfx`` must survive a torch
     without TorchScript, where the dynamo exporter takes over."""

@@ -256,26 +256,26 @@ PINNED_SIZES_CHANGED = (
     "the graph returns Python numbers computed for input sizes {before}, and this call has "
     "sizes {now}"
 )
-TRACER_BAKED_BRANCHES = (
-    "the tracer turned %d tensor(s) into Python booleans while exporting, first: %s. A branch "
-    "on tensor values (an `if`, an `assert`, a check that raises) is decided once, at export: "
-    "the graph never checks it again, for any input. Move such checks out of forward, "
-    "make them static arguments, or pass Options(strict_tracing=True) (ORTFX_STRICT_TRACING=1) "
-    "to refuse such graphs (the fallback policy then runs the module in PyTorch)"
+GUARDED = (
+    "the trace took %d Python value(s) from tensors (a branch on them, a number computed from "
+    "them), which the graph holds as constants: %s. ortfx checks each after every run, and a "
+    "call that gives another value is computed again with a graph for that value (said once "
+    "per graph)"
 )
-
+VALUE_KEEPS_CHANGING = (
+    "the forward takes a Python value from a tensor at {where} ({kind}), which the traced graph "
+    "holds as a constant, and it has taken {count} different values so far ({values}): each "
+    "needs a graph of its own. Keep it a tensor (e.g. `loss / mask.sum()` instead of "
+    "`loss / float(mask.sum())`, `torch.where` instead of an `if`), make it a static argument, "
+    "or let ortfx run the module in PyTorch (the default fallback policy does)."
+)
 STRICT_TRACING_REFUSED = (
-    "strict_tracing is on and the tracer baked {count} Python value(s) computed from tensors "
-    "into the graph of {module}, first: {first}. Such a graph is correct only for inputs like "
-    "the export's; ortfx refuses it. The default fallback policy runs this module in PyTorch; "
-    "turn strict_tracing off to accept the graph."
+    "strict_tracing is on and the trace of {module} took {count} Python value(s) from tensors, "
+    "first: {first}. The graph holds them as constants (ortfx would check them after every run "
+    "and export again for other values); strict_tracing refuses such graphs. The default "
+    "fallback policy runs this module in PyTorch; turn strict_tracing off to accept the graph."
 )
 
-TRACER_BAKED_VALUES = (
-    "the tracer baked %d Python value(s) computed from tensors into the graph, first: %s. If such "
-    "a value changes from call to call (a dynamic scalar used in Python control flow, an int "
-    "taken from a size), the graph is wrong for other values: keep it a static argument instead"
-)
 
 SWITCHING_TO_DYNAMO = (
     "the torchscript graph cannot run these input sizes (%s); switching this module to the "

@@ -3,7 +3,9 @@ reasons they carry, and what the cache holds per entry. Frozen, compared by valu
 
 from __future__ import annotations
 
+import ast
 import functools
+import math
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import attrs
@@ -12,6 +14,43 @@ from ortfx.options import ExportOptions
 from ortfx.schema import ModelSchema
 
 P = TypeVar("P")
+
+# (where, canonical value) per guard of a graph, in trace order (see model_info.Guard)
+Baked: TypeAlias = tuple[tuple[str, Any], ...]
+
+# Floats a run of ORT gives may differ from PyTorch's by rounding (another summation order):
+# within this, the graph's constant is the call's value.
+FLOAT_RTOL, FLOAT_ATOL = 1e-5, 1e-7
+
+
+def same_value(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    """Whether two canonical guard values (``(type name, repr)``) are the same value: exactly,
+    or for floats (alone or in lists) within rounding."""
+    if a == b:
+        return True
+    if a[0] != b[0] or a[0] not in ("float", "list"):
+        return False
+    try:
+        x, y = ast.literal_eval(a[1]), ast.literal_eval(b[1])
+    except (ValueError, SyntaxError):  # nan, inf: compared exactly above
+        return False
+    return _close(x, y)
+
+
+def _close(x: Any, y: Any) -> bool:
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_close(p, q) for p, q in zip(x, y, strict=True))
+    if type(x) is float and type(y) is float:
+        return math.isclose(x, y, rel_tol=FLOAT_RTOL, abs_tol=FLOAT_ATOL)
+    return bool(type(x) is type(y) and x == y)
+
+
+def same_values(a: Baked, b: Baked) -> bool:
+    """:func:`same_value` at every position (and the same locations)."""
+    return a == b or (
+        len(a) == len(b)
+        and all(p[0] == q[0] and same_value(p[1], q[1]) for p, q in zip(a, b, strict=True))
+    )
 
 
 @attrs.frozen
@@ -58,6 +97,10 @@ class ExportKey:
     autocast: str | None = None
     # torch.get_default_dtype(): the dtype of the tensors the forward creates without one.
     default_dtype: str = "float32"
+    # None: the trace took no Python value from traced tensors. Else the values it baked in,
+    # ``(where, value)`` per guard (see model_info.Guard): the graph serves only calls that
+    # give the same ones, which each run checks.
+    baked: Baked | None = None
 
 
 @attrs.frozen
@@ -89,6 +132,23 @@ class SessionKey:
 
 
 @attrs.frozen
+class GuardHint:
+    """What a discarded run of a guarded graph told about the call (see model_info.Guard).
+
+    The forward's conversions happen in one order for a given path through its Python code, so
+    the graphs traced for one key form a decision tree: a run's guards agree with the call's own
+    values up to the first that differed, and that one's value is the call's. ``prefix`` is that
+    much (through the first difference); a graph whose guards start with it follows the call's
+    path at least one conversion further. ``failed``: the guards of graphs whose run raised for
+    this call (a constant that made the graph unable to run it: another length to split into),
+    which tell nothing of the call's values.
+    """
+
+    prefix: Baked = ()
+    failed: tuple[Baked, ...] = ()
+
+
+@attrs.frozen
 class Call:
     """Everything :func:`decide` needs to know about one forward call."""
 
@@ -96,6 +156,8 @@ class Call:
     grad: GradState
     session: SessionKey
     grad_enabled: bool = False  # torch.is_grad_enabled() at the call
+    # Set when a run of this call with a guarded graph was discarded: which graph to try next.
+    hint: GuardHint | None = None
 
 
 @attrs.frozen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,39 @@ class Update:
 
 
 @attrs.frozen
+class Guard:
+    """A Python value the trace took from a tensor, which the graph holds as a constant.
+
+    The tensor it came from is an extra graph output (after the updates): after each run the
+    shell converts that output the same way and compares it with ``value`` (in the canonical
+    form of :func:`guard_value`); another value means the graph computed the call with the
+    wrong constant, and the call is computed again (see :mod:`ortfx.runtime.execute`).
+    """
+
+    kind: str  # what the forward turned it into: boolean, integer, float, number, list, ...
+    where: str  # file:line of the conversion
+    value: Any  # the canonical form of the value the trace took
+    origin: str  # "data" (tensor values) or "size" (only sizes)
+
+
+def guard_value(kind: str, tensor: torch.Tensor) -> Any:
+    """The canonical, hashable form of the Python value ``tensor`` converts to as ``kind``:
+    ``(type name, repr)``, so that NaN equals NaN and ``1``, ``1.0`` and ``True`` differ, as
+    :class:`~ortfx.schema.StaticSpec` compares static arguments."""
+    if kind == "boolean":
+        value: Any = bool(tensor)
+    elif kind in ("integer", "index", "len", "iteration", "number of parts"):
+        value = int(tensor)
+    elif kind == "float":
+        value = float(tensor)
+    elif kind == "number":
+        value = tensor.item()
+    else:  # list, NumPy array: the whole tensor's values
+        value = tensor.tolist()
+    return (type(value).__name__, repr(value))
+
+
+@attrs.frozen
 class PostExportProcessedModelInfo:
     """A processed ONNX model and everything needed to feed it and read it back.
 
@@ -66,8 +100,10 @@ class PostExportProcessedModelInfo:
     output_schema: ModelSchema
     output_names: tuple[str, ...]
     dynamic_scalars: frozenset[str] = frozenset()
-    # The last len(updates) graph outputs are in-place changes to copy back (see Update).
+    # After the user's outputs: len(updates) in-place changes to copy back (see Update), then
+    # len(guards) tensors behind values the trace baked in (see Guard).
     updates: tuple[Update, ...] = ()
+    guards: tuple[Guard, ...] = ()
     # (tensor output position, input leaf index) of outputs that are the caller's own input
     # tensor returned as is: PyTorch returns that very object.
     returned_inputs: tuple[tuple[int, int], ...] = ()
@@ -81,7 +117,20 @@ class PostExportProcessedModelInfo:
 
     @property
     def n_user_outputs(self) -> int:
-        return len(self.output_names) - len(self.updates)
+        return len(self.output_names) - len(self.updates) - len(self.guards)
+
+    @functools.cached_property
+    def baked(self) -> tuple[tuple[str, Any], ...]:
+        """``(where, value)`` of each guard, as the export took them."""
+        return tuple((g.where, g.value) for g in self.guards)
+
+    def observed(self, outputs: Sequence[torch.Tensor], /) -> tuple[tuple[str, Any], ...]:
+        """``(where, value)`` of each guard as this run's outputs give them."""
+        first = len(self.output_names) - len(self.guards)
+        return tuple(
+            (g.where, guard_value(g.kind, t))
+            for g, t in zip(self.guards, outputs[first:], strict=True)
+        )
 
     @property
     def user_inputs_requiring_grad(self) -> tuple[str, ...]:

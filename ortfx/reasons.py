@@ -5,6 +5,7 @@ cache miss), and the entry closest to a call."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 
@@ -105,6 +106,15 @@ def explain_key(seen: ExportKey, given: ExportKey) -> tuple[Reason, ...]:
                 _flag_text(seen.grad_flags),
                 _flag_text(given.grad_flags),
                 "the forward reads requires_grad of its inputs or parameters",
+            )
+        )
+    if None not in (seen.baked, given.baked) and seen.baked != given.baked:
+        reasons.append(
+            Reason(
+                "values baked in",
+                _baked_text(seen.baked, given.baked),
+                _baked_text(given.baked, seen.baked),
+                "a Python value the trace took from a tensor changed",
             )
         )
     if None not in (seen.grad_mode, given.grad_mode) and seen.grad_mode != given.grad_mode:
@@ -227,6 +237,18 @@ def as_seen_by(entry: ExportKey, call: Call) -> ExportKey:
     if entry.grad_flags is not None:
         key = attrs.evolve(key, grad_flags=flags(call))
     return key
+
+
+def _baked_text(these: Any, others: Any) -> str:
+    """The baked values of ``these`` that differ from ``others`` at the same position (guards
+    come in trace order; the shorter one is a run's values up to the first difference):
+    ``where = value``."""
+    shown = [
+        f"{where} = {value[1]}"
+        for (where, value), other in zip(these, others, strict=False)
+        if (where, value) != other
+    ]
+    return ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
 
 
 def flags(call: Call) -> tuple[tuple[bool, ...], tuple[bool, ...]]:

@@ -19,6 +19,7 @@ import optree
 import torch
 
 from ortfx.keys import (
+    Baked,
     Call,
     Decision,
     Entry,
@@ -34,6 +35,7 @@ from ortfx.keys import (
     SessionKey,
     Transition,
     decision_name,
+    same_values,
 )
 from ortfx.options import ExportOptions
 from ortfx.reasons import (
@@ -112,14 +114,28 @@ def resolve(state: ExportState[P], call: Call) -> Call:
     A key traced for one grad mode (``grad_mode`` set) serves only calls made in that mode;
     any other entry serves calls in either mode. Decide and apply compare keys exactly, so
     the shell resolves a new call first."""
-    if state.lookup(call.key) is not None:
-        return call
     moded = attrs.evolve(call.key, grad_mode=call.grad_enabled)
     flagged = attrs.evolve(call.key, grad_flags=flags(call))
     both = attrs.evolve(moded, grad_flags=flags(call))
-    for key in (moded, flagged, both):
-        if state.lookup(key) is not None:
-            return attrs.evolve(call, key=key)
+    bases = (call.key, moded, flagged, both)
+    hint = call.hint
+    if hint is None:
+        for key in bases:
+            if state.lookup(key) is not None:
+                return attrs.evolve(call, key=key)
+    # A graph with values baked in serves until a run's guards say otherwise: the most recent
+    # one, or after a discarded run, the most recent one that follows the call further.
+    for entry in reversed(state.entries):
+        baked = entry.key.baked
+        if baked is None or attrs.evolve(entry.key, baked=None) not in bases:
+            continue
+        if hint is None or (
+            same_values(baked[: len(hint.prefix)], hint.prefix) and baked not in hint.failed
+        ):
+            return attrs.evolve(call, key=entry.key)
+    if hint is not None and hint.prefix:
+        # None does: exported for this call (the reason names the value that differed).
+        return attrs.evolve(call, key=attrs.evolve(call.key, baked=hint.prefix))
     return call
 
 
@@ -127,6 +143,12 @@ def traced_for_grad_mode(call: Call) -> Call:
     """``call`` once its export turned out to depend on grad mode: its entry serves only
     calls made in the same mode."""
     return attrs.evolve(call, key=attrs.evolve(call.key, grad_mode=call.grad_enabled))
+
+
+def traced_for_baked(call: Call, baked: Baked | None) -> Call:
+    """``call`` once its export baked values in (``None``: it baked none): its entry serves
+    calls whose runs give the same values (each run checks)."""
+    return attrs.evolve(call, key=attrs.evolve(call.key, baked=baked), hint=None)
 
 
 def traced_for_grad_flags(call: Call) -> Call:

@@ -355,3 +355,39 @@ def test_stats_count_every_call_of_concurrent_threads() -> None:
     eager(x).sum().backward()
     assert eager.weight.grad is not None
     assert torch.allclose(wrapped.module.weight.grad, eager.weight.grad * 201, rtol=1e-5)
+
+
+class ImplicitSoftmax(nn.Module):
+    """``F.softmax`` without ``dim`` warns (a Python warning on the caller's line)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softmax(self.lin(x))
+
+
+def _raises_under(build: Any, module: str) -> str | None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.filterwarnings("error", category=UserWarning, module=module)
+        try:
+            build()(torch.randn(2, 4))
+        except UserWarning as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("module", [__name__, "ortfx", "torch"])
+def test_a_warning_the_forward_raises_while_exported_meets_the_filters_as_in_eager(
+    module: str,
+) -> None:
+    """Filters by module see the forward's line and module during the export, as in eager
+    (ortfx's watch sits between the forward and each op: the warning named ortfx's file)."""
+    eager = _raises_under(ImplicitSoftmax, module)
+    got = _raises_under(lambda: ortfx.ORTModule(ImplicitSoftmax(), options=STRICT), module)
+    assert got == eager
+    assert (eager is not None) == (module == __name__)

@@ -362,7 +362,26 @@ def test_an_encoder_decoder_trains_and_generates_with_its_cache(
     # through model.get_encoder(), in PyTorch: transformers calls it directly)
     assert stats.fallback_calls == 0
     assert stats.calls == 1 + 3 * 4
-    assert stats.exports <= 4
+    # train; generate: without, then with a cache; use_cache=False: a decoder of length 1,
+    # then one graph for the longer ones (causal masking, which length 1 skips)
+    assert stats.exports <= 5
+
+
+def test_a_t5_decoder_longer_than_its_first_call_is_masked_as_in_pytorch() -> None:
+    """T5's decoder skips its causal mask for one position (a branch on a size the trace
+    bakes in): the graph of a length-1 call must not serve longer ones (its logits were off
+    by 1.3 before the guards), and the longer lengths share one graph."""
+    torch.manual_seed(0)
+    plain = _t5().eval()
+    wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT).eval()
+    encoder_ids = _ids(length=5)
+    for length in (1, 2, 3, 4):
+        decoder_ids = _ids(length=length) + 1
+        kwargs = {"input_ids": encoder_ids, "decoder_input_ids": decoder_ids, "use_cache": False}
+        expected = plain(**kwargs).logits
+        got = wrapped(**kwargs).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert ortfx.stats(wrapped).exports == 2
 
 
 class Base(torch.nn.Module):
@@ -613,9 +632,11 @@ def test_layerdrop_in_training_is_refused_with_the_fix(caplog: pytest.LogCapture
 def test_sliding_window_decoding_crosses_the_window_in_three_graphs() -> None:
     """A sliding window shorter than the sequences (7): prompts below, near and above it,
     decoded past it. Every step's logits match the plain model's (1e-5), and the whole run
-    takes three graphs: prefill, decode before the window is full, decode after (the layers'
+    takes four graphs: prefill, decode before the window is full, decode after (the layers'
     token count is fed as a tensor; the graph is keyed on "window full", what transformers
-    branches on). Chunks of several tokens on a full cache share one graph too."""
+    branches on), and the step where ``max(count - window + 1, 0)`` first takes its other
+    argument (a guarded comparison, one step before the window is full). Chunks of several
+    tokens on a full cache share one graph too."""
     torch.manual_seed(0)
     plain = MODELS["mistral"]().eval()
     plain.config.sliding_window = 7
@@ -635,7 +656,7 @@ def test_sliding_window_decoding_crosses_the_window_in_three_graphs() -> None:
         for step, (a, b) in enumerate(zip(got.logits, expected.logits, strict=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{length}: step {step}")
     stats = ortfx.stats(wrapped)
-    assert (stats.calls, stats.exports, stats.fallback_calls) == (24, 3, 0)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (24, 4, 0)
     # Three new tokens at once on a full cache (chunked prefill, assisted decoding).
     ids = _ids(2, 9)
     with torch.no_grad():
@@ -649,10 +670,10 @@ def test_sliding_window_decoding_crosses_the_window_in_three_graphs() -> None:
     assert cache.layers[0].cumulative_length == plain_cache.layers[0].cumulative_length == 12
     assert type(cache.layers[0].cumulative_length) is int
     # Called directly (other keywords than generate's): a prefill graph and a full-window one.
-    assert ortfx.stats(wrapped).exports == 5
+    assert ortfx.stats(wrapped).exports == 6
     with torch.no_grad():
         more = _ids(2, 14)[:, 12:]
         got_logits = wrapped(input_ids=more, past_key_values=cache).logits
         expected_logits = plain(input_ids=more, past_key_values=plain_cache).logits
     torch.testing.assert_close(got_logits, expected_logits, rtol=0, atol=1e-5)
-    assert ortfx.stats(wrapped).exports == 5
+    assert ortfx.stats(wrapped).exports == 6

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 from typing import Any
 
@@ -410,20 +411,36 @@ class ChecksValues(nn.Module):
         return self.lin(x)
 
 
-def test_a_branch_on_tensor_values_is_a_warning_naming_the_line(
+def test_a_check_on_tensor_values_runs_on_every_call_as_in_eager(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The check's boolean is a guard: a WARNING names its line once, positive inputs reuse the
+    graph, and a negative one raises PyTorch's ValueError (its run gave another value, and
+    the forward traced again raises), every time, in ORT."""
     wrapped = _strict(ChecksValues())
+    line = inspect.getsourcelines(ChecksValues.forward)[1] + 1
     with caplog.at_level(logging.WARNING, logger="ortfx"):
         wrapped(torch.rand(2, 4))
     (said,) = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
-    assert said.startswith("the tracer turned 1 tensor(s) into Python booleans while exporting")
-    assert "test_parity_paths.py" in said and "strict_tracing=True" in said
+    assert said.startswith(
+        "the trace took 1 Python value(s) from tensors (a branch on them, a number computed "
+        "from them), which the graph holds as constants: boolean at "
+        f"test_parity_paths.py:{line} (tensor values) = False. "
+    )
+    for _ in range(2):
+        with pytest.raises(ValueError, match="negative input"):
+            wrapped(-torch.rand(2, 4))
+        x = torch.rand(2, 4)
+        assert max_diff(wrapped(x), wrapped.module(x)) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 1
 
 
 def test_strict_tracing_refuses_a_graph_that_would_stop_checking() -> None:
     strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE, strict_tracing=True)
-    with pytest.raises(ortfx.OrtfxExportError, match="strict_tracing is on and the tracer baked"):
+    with pytest.raises(
+        ortfx.OrtfxExportError,
+        match="strict_tracing is on and the trace of ChecksValues took 1 Python value",
+    ):
         ortfx.ORTModule(ChecksValues(), options=strict)(torch.rand(2, 4))
     # The default policy runs it in PyTorch, where the check runs on every call.
     wrapped = ortfx.ORTModule(ChecksValues(), options=ortfx.Options(strict_tracing=True))

@@ -610,11 +610,11 @@ def test_dynamic_scalar_used_in_python_control_flow_becomes_static(
     said = [r.getMessage() for r in caplog.records if r.name == "ortfx"]
     line = inspect.getsourcelines(Switchy.forward)[1] + 11  # for _ in range(n)
     assert said == [
-        "the tracer baked 1 Python value(s) computed from tensors into the graph, first: "
-        "Converting a tensor to a Python index might cause the trace to be incorrect. "
-        f"(test_transitions_e2e.py:{line}). If such a value changes from call to call (a "
-        "dynamic scalar used in Python control flow, an int taken from a size), the graph is "
-        "wrong for other values: keep it a static argument instead",
+        "the trace took 1 Python value(s) from tensors (a branch on them, a number computed "
+        "from them), which the graph holds as constants: index at "
+        f"test_transitions_e2e.py:{line} (tensor values) = 2. ortfx checks each after every "
+        "run, and a call that gives another value is computed again with a graph for that "
+        "value (said once per graph)",
         "kwargs['n'] is in dynamic_scalars, but the exported graph does not read it as a tensor: "
         "the module turns the value into a Python value (e.g. range(n), if n > 0), which the "
         "tracer bakes in. ortfx treats it as static from now on; remove it from "

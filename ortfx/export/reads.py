@@ -28,6 +28,7 @@ import torch
 
 from ortfx import _torch, io
 from ortfx.export import functions
+from ortfx.model_info import Guard
 
 GRADIENT_HOOK_IN_FORWARD = (
     "the forward of {module} registers a gradient hook on an intermediate tensor "
@@ -92,6 +93,18 @@ _CONVERSIONS: dict[Any, str] = {
     torch.Tensor.__iter__: "iteration",
 }
 
+# Ops that give a Python list of tensors, as many as a size along ``dim`` decides (Python
+# iteration over a tensor is ``unbind``): the trace bakes that count in, as a conversion would.
+# name -> (position of dim among the arguments, its default)
+_PARTS: dict[str, tuple[int, int]] = {
+    "unbind": (1, 0),
+    "split": (2, 0),
+    "unsafe_split": (2, 0),
+    "chunk": (2, 0),
+    "unsafe_chunk": (2, 0),
+    "tensor_split": (2, 0),
+}
+
 # Set while ortfx's own code runs inside the trace (e.g. the BatchNorm statistics update under
 # no_grad): its no-grad regions are ortfx's, not the user's.
 OWN_CODE: contextvars.ContextVar[bool] = contextvars.ContextVar("ortfx_own_code", default=False)
@@ -132,9 +145,11 @@ class Reads:
     # (attribute, file:line, what was read): a read the trace cannot answer as eager
     refused: tuple[str, str, str] | None = None
     hooks: list[str] = attrs.Factory(list)  # file:line of each register_hook in the forward
-    # (kind, file, line) of each tensor the forward turned into a Python value while the
-    # TorchScript tracer ran: the graph holds the traced value as a constant.
+    # Each tensor the forward turned into a Python value while the TorchScript tracer ran (the
+    # graph holds the value as a constant): (kind, file, line), and for those computed from
+    # traced data or sizes, the guard and the tensor to add as a graph output.
     conversions: list[tuple[str, str, int]] = attrs.Factory(list)
+    guards: list[tuple[Guard, torch.Tensor]] = attrs.Factory(list)
     functions: dict[str, type] = attrs.Factory(dict)  # custom Functions met (graph names)
     # A profiler the watch cannot chain to hid what only its profile hook sees (custom
     # Functions under the dynamo exporter).
@@ -168,6 +183,7 @@ class _Watch(torch.overrides.TorchFunctionMode):
         # the detach this inserts; the dynamo exporter keeps no such record).
         self.stops = grad_enabled and not dynamo
         self.tracing = _torch.tracing_state_access()[0] if not dynamo else _never
+        self.splitting = False  # inside a list-giving op (see _PARTS)
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -176,19 +192,38 @@ class _Watch(torch.overrides.TorchFunctionMode):
         attribute = _DESCRIPTORS.get(id(getattr(func, "__self__", None)))
         if attribute is not None:
             if func.__name__ == "__get__":
-                value = func(*args, **kwargs)
+                value = self._call(func, args, kwargs)
                 self._read(attribute, args[0], value, sys._getframe(1))
                 return value
             if attribute == "requires_grad" and len(args) > 1 and args[1]:
                 self._made_to_require_grad(args[0], sys._getframe(1))
-            return func(*args, **kwargs)
+            return self._call(func, args, kwargs)
         kind = _CONVERSIONS.get(func)
         if kind is not None and self.tracing() is not None:
+            caller = sys._getframe(1)
+            where = _user_frame(caller)
+            if (
+                where is not None
+                and not where.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+                and not _in_function_body(caller)
+            ):
+                out = self._call(func, args, kwargs)
+                self._baked(kind, args[0], out, where)
+                return out
+        parts = _PARTS.get(getattr(func, "__name__", ""))
+        if parts is not None and not self.splitting and self.tracing() is not None and args:
             where = _user_frame(sys._getframe(1))
             if where is not None and not where.f_globals.get("__name__", "").startswith(
                 _BOOKKEEPING
             ):
-                self.reads.conversions.append((kind, where.f_code.co_filename, where.f_lineno))
+                position, default = parts
+                dim = kwargs.get("dim", args[position] if len(args) > position else default)
+                self._parts(args[0], dim, where)
+            self.splitting = True  # torch.split's Python wrapper calls Tensor.split: once
+            try:
+                return self._call(func, args, kwargs)
+            finally:
+                self.splitting = False
         if func is _REQUIRES_GRAD_ and (
             args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
         ):
@@ -199,10 +234,45 @@ class _Watch(torch.overrides.TorchFunctionMode):
             where = _user_frame(sys._getframe(1))
             self.reads.hooks.append(line_of(where) if where is not None else "?")
             return _NoHandle()
-        out = func(*args, **kwargs)
+        out = self._call(func, args, kwargs)
         if self.stops and not torch.is_grad_enabled() and not OWN_CODE.get():
             out = self._stopped(func, args, kwargs, out)
         return out
+
+    @staticmethod
+    def _call(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
+        """``func(*args, **kwargs)`` as if called where eager calls it: a warning the op
+        raises is then attributed to the forward's line and module, so the process's filters
+        (by module, ``-W error``) and the registry of warnings shown once act as in eager."""
+        caller = _eager_caller(sys._getframe(2))
+        if caller is None:
+            return func(*args, **kwargs)
+        return _calling_from(caller)(func, args, kwargs)
+
+    def _baked(self, kind: str, tensor: Any, value: Any, where: types.FrameType) -> None:
+        """The forward took ``value`` from ``tensor`` (``kind``) at ``where``: the trace bakes
+        it in. Computed from traced data or sizes, the graph gets the tensor as an output, and
+        each run is checked against the value (a :class:`~ortfx.model_info.Guard`)."""
+        filename, lineno = where.f_code.co_filename, where.f_lineno
+        self.reads.conversions.append((kind, filename, lineno))
+        if kind in ("len", "iteration"):
+            tensor = tensor.shape[0]  # a traced size while tracing: what decides the value
+            value = int(tensor)
+        origin = _torch.traced_origin(tensor)
+        if origin == "constant":
+            return  # the same for every call
+        at = f"{os.path.basename(filename)}:{lineno}"
+        guard = Guard(kind, at, _canonical(kind, value), origin)
+        self.reads.guards.append((guard, tensor))
+
+    def _parts(self, tensor: Any, dim: Any, where: types.FrameType) -> None:
+        """An op splits ``tensor`` along ``dim`` into a list: its length is baked in, so the
+        size along ``dim`` is guarded."""
+        if not isinstance(tensor, torch.Tensor) or not isinstance(dim, int) or tensor.dim() == 0:
+            return
+        size = tensor.shape[dim]
+        if isinstance(size, torch.Tensor):  # a traced size (a plain int is a constant)
+            self._baked("number of parts", size, int(size), where)
 
     def _stopped(self, func: Any, args: Sequence[Any], kwargs: Any, out: Any) -> Any:
         """An op of the forward's own ``torch.no_grad()`` region that read a tensor requiring
@@ -261,6 +331,64 @@ class _Watch(torch.overrides.TorchFunctionMode):
     def _refuse(self, name: str, caller: types.FrameType, what: str) -> None:
         if self.reads.refused is None:
             self.reads.refused = (name, line_of(caller), what)
+
+
+def _call_as(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
+    return func(*args, **kwargs)
+
+
+_CALL_LINE = max(line for _, _, line in _call_as.__code__.co_lines() if line is not None)
+_CALL_OFFSET = _CALL_LINE - _call_as.__code__.co_firstlineno
+# (code, line) of a forward's call site -> _call_as compiled as if written on that line of that
+# module (see _Watch._call); bounded, cleared when full.
+_AS_CALLED: dict[tuple[types.CodeType, int], Any] = {}
+
+
+def _eager_caller(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame eager would run an op from, given the frame that called the watch: torch's
+    dispatch to a mode (``torch.overrides``) and the Python wrapper that asked for it are
+    not there in eager (the wrapper runs again from the watch)."""
+    if frame is not None and frame.f_globals.get("__name__") == "torch.overrides":
+        while frame is not None and frame.f_globals.get("__name__") == "torch.overrides":
+            frame = frame.f_back
+        frame = frame.f_back if frame is not None else None
+    return frame
+
+
+def _calling_from(frame: types.FrameType) -> Any:
+    key = (frame.f_code, frame.f_lineno)
+    found = _AS_CALLED.get(key)
+    if found is None:
+        first = frame.f_lineno - _CALL_OFFSET
+        if first < 1:
+            return _call_as
+        code = _call_as.__code__.replace(
+            co_filename=frame.f_code.co_filename,
+            co_firstlineno=first,
+            co_name=frame.f_code.co_name,
+        )
+        found = types.FunctionType(code, frame.f_globals)
+        if len(_AS_CALLED) >= 1024:
+            _AS_CALLED.clear()
+        _AS_CALLED[key] = found
+    return found
+
+
+def _canonical(kind: str, value: Any) -> Any:
+    """``value`` in the form :func:`ortfx.model_info.guard_value` gives a run's output."""
+    if kind == "NumPy array":
+        value = value.tolist()
+    return (type(value).__name__, repr(value))
+
+
+def _in_function_body(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a custom ``autograd.Function``'s forward: its trace is not
+    the graph's (ORT calls the Function at run time), so nothing it converts is baked in."""
+    while frame is not None:
+        if frame.f_code is _torch.FUNCTION_APPLY_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _never() -> Any:

@@ -15,7 +15,7 @@ import torch
 from ortfx import _torch, io, module_state
 from ortfx.errors import OrtfxExportError, OrtfxIOError
 from ortfx.export import exporters, functions, reads, rewrites
-from ortfx.model_info import InputKind, InputSpec, PostExportProcessedModelInfo, Update
+from ortfx.model_info import Guard, InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
 from ortfx.schema import ModelSchema, TensorSpec
 
@@ -134,6 +134,7 @@ class FlatCall(torch.nn.Module):
         self.returned_inputs: tuple[tuple[int, int], ...] = ()
         self.raised: BaseException | None = None
         self.writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+        self.guards: tuple[Guard, ...] = ()
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self._leaves)
@@ -146,6 +147,9 @@ class FlatCall(torch.nn.Module):
         modules = list(self.module.modules())
         attributes = module_state.attributes(modules)
         watching = self.watch.forward() if self.watch is not None else contextlib.nullcontext()
+        if self.watch is not None:  # a retried trace starts afresh
+            self.watch.reads.conversions.clear()
+            self.watch.reads.guards.clear()
         try:
             with watching:
                 out = self.module(*args, **kwargs)
@@ -175,7 +179,15 @@ class FlatCall(torch.nn.Module):
                 updates.append(Update("input", pos))
                 extra.append(t)
         self.updates = tuple(updates)
-        return (*outputs, *extra)
+        # The tensors behind values the trace baked in, as graph outputs: each run is checked
+        # against them (one output per distinct tensor and conversion).
+        guards: dict[tuple[int, str], tuple[Guard, torch.Tensor]] = {}
+        for guard, tensor in self.watch.reads.guards if self.watch is not None else ():
+            guards.setdefault((id(tensor), guard.kind), (guard, tensor))
+        self.guards = tuple(g for g, _ in guards.values())
+        # Detached: a Python value has no gradient, and ORT must not build one (it cannot for
+        # some ops, such as a max).
+        return (*outputs, *extra, *(t.detach() for _, t in guards.values()))
 
 
 def _parameter_sources(module: torch.nn.Module) -> dict[str, tuple[InputKind, str]]:
@@ -383,11 +395,11 @@ def _info(
     assert flat.output_schema is not None
     output_names = tuple(o.name for o in model.graph.output)
     tensor_outputs = [s for s in flat.output_schema.leaves if isinstance(s, TensorSpec)]
-    if len(tensor_outputs) + len(flat.updates) != len(output_names):
+    if len(tensor_outputs) + len(flat.updates) + len(flat.guards) != len(output_names):
         raise OrtfxExportError(
-            f"the module returned {len(tensor_outputs)} tensors and changed "
-            f"{len(flat.updates)} in place, but the exported graph has {len(output_names)} "
-            "outputs; this is an ortfx bug, please report it."
+            f"the module returned {len(tensor_outputs)} tensors, changed {len(flat.updates)} "
+            f"in place and baked in {len(flat.guards)} values, but the exported graph has "
+            f"{len(output_names)} outputs; this is an ortfx bug, please report it."
         )
     return PostExportProcessedModelInfo(
         model=model.SerializeToString(),
@@ -396,6 +408,7 @@ def _info(
         output_schema=flat.output_schema,
         output_names=output_names,
         updates=flat.updates,
+        guards=flat.guards,
         returned_inputs=flat.returned_inputs,
     )
 

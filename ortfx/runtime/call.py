@@ -35,7 +35,7 @@ from ortfx.errors import (
 from ortfx.export import (
     exporting,
 )
-from ortfx.keys import Reuse
+from ortfx.keys import GuardHint, Reuse
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.runtime import events, logs, partitioned, watch
 from ortfx.runtime.execute import execute
@@ -145,14 +145,22 @@ def run(
         )
         if not isinstance(outcome, Retry):
             return outcome
-        shell = outcome.shell
+        shell, hint = outcome.shell, outcome.hint
+    else:
+        hint = None
     causes: list[str] = []
-    for _ in range(MAX_RECOVERIES + 1):
-        outcome = attempt(shell, module, args, kwargs, leaves, spec)
+    hops = 0
+    while len(causes) <= MAX_RECOVERIES:
+        outcome = attempt(shell, module, args, kwargs, leaves, spec, hint)
         if not isinstance(outcome, Retry):
             return outcome
-        shell = outcome.shell
-        causes.append(outcome.cause)
+        shell, hint = outcome.shell, outcome.hint
+        # A discarded run of a guarded graph moves down its key's graphs, each hop at least
+        # one value closer to the call's (see GuardHint): bounded by the graphs kept.
+        if hint is not None and hops < shell.options.cache_size + MAX_RECOVERIES:
+            hops += 1
+        else:
+            causes.append(outcome.cause)
     raise OrtfxRuntimeError(TOO_MANY_RECOVERIES.format(count=len(causes), causes="; ".join(causes)))
 
 
@@ -202,8 +210,10 @@ def attempt(
     kwargs: dict[str, Any],
     leaves: list[Any],
     spec: optree.PyTreeSpec,
+    hint: GuardHint | None = None,
 ) -> Outcome:
-    """The slow path: key, decide, realize, then execute."""
+    """The slow path: key, decide, realize, then execute. ``hint``: what a discarded run of
+    a guarded graph said about this call (which graph to try, or to export, next)."""
     shell, tracked = track(shell, module)
     state = shell.state
     io.check_leaves(leaves, spec, root="call", where="input")
@@ -212,31 +222,35 @@ def attempt(
         name = tracked.buffer_requiring_grad()
         raise OrtfxTorchModelError(BUFFER_REQUIRES_GRAD.format(name=name))
     fed, tensorized = _tensorize(shell, leaves, spec)
-    call = resolve(state, make_call(fed, spec, context_of(shell, module, tracked)))
+    made = make_call(fed, spec, context_of(shell, module, tracked))
+    call = resolve(state, made if hint is None else attrs.evolve(made, hint=hint))
     _check_input_devices(fed, call.key.schema, tracked.device)
     decision = decide(state, call)
     events.emit("decide", call, decision)
+    this_call = False
     if isinstance(decision, Reuse):
         hit = state.lookup(call.key)
         assert hit is not None
         compiled = hit.payload
     else:
-        compiled, call = realize(shell, module, decision, call, fed, tracked, args, kwargs)
-        baked = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
-        if baked:
+        compiled, call, this_call = realize(
+            shell, module, decision, call, fed, tracked, args, kwargs
+        )
+        static = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
+        if static:
             # The module turned these tensors back into Python values (range(n), if n):
             # the graph holds the export-time value. Correctness first: make them static.
-            logs.baked_scalars(shell.log, baked)
+            logs.baked_scalars(shell.log, static)
             return Retry(
-                attrs.evolve(shell, baked=shell.baked | set(baked), fast=None),
-                f"{', '.join(baked)} baked in",
+                attrs.evolve(shell, baked=shell.baked | set(static), fast=None),
+                f"{', '.join(static)} baked in",
             )
     if compiled.writes:
         # The forward's own writes (warned): never a change behind its graph.
         tracked = tracked.with_fresh_attributes(compiled.writes)
         shell = attrs.evolve(shell, tracked=tracked)
     new_state = apply(state, call, decision, compiled)
-    result = execute(shell, module, fed, tracked, call, compiled, new_state)
+    result = execute(shell, module, fed, tracked, call, compiled, new_state, this_call)
     if isinstance(result, Retry):
         return result
     output, after = result
@@ -278,11 +292,23 @@ def _check_input_devices(leaves: list[Any], schema: ModelSchema, device: torch.d
 def _baked_dynamic_scalars(
     info: PostExportProcessedModelInfo, schema: ModelSchema, tensorized: tuple[int, ...]
 ) -> list[str]:
-    """Paths of scalars fed as tensors that the graph does not consume: their value was
-    turned back into a Python value while traced, and so baked in."""
+    """Paths of scalars fed as tensors that the graph does not compute its outputs from (a
+    guard output aside): their value was turned back into a Python value while traced, and so
+    baked in. Keyed on them, each value gets its graph before any run."""
     if not tensorized:
         return []
     model = onnx.load_model_from_string(info.model)
-    consumed = {name for node in model.graph.node for name in node.input}
+    producers = {name: node for node in model.graph.node for name in node.output}
+    guards = len(info.guards)
+    pending = [o.name for o in model.graph.output[: len(model.graph.output) - guards]]
+    consumed: set[str] = set()
+    while pending:  # everything the user outputs and the updates are computed from
+        name = pending.pop()
+        if name in consumed:
+            continue
+        consumed.add(name)
+        node = producers.get(name)
+        if node is not None:
+            pending.extend(node.input)
     fed = {spec.source: spec.name for spec in info.inputs if spec.kind is InputKind.USER}
     return [schema.paths[i] for i in tensorized if fed.get(i) not in consumed]

@@ -24,6 +24,7 @@ from ortfx.errors import (
     NO_GRADIENT_GRAPH,
     OUTPUT_DTYPE_CHANGED,
     PINNED_SIZES_CHANGED,
+    VALUE_KEEPS_CHANGING,
     OrtfxExportError,
     OrtfxInitError,
     OrtfxIOError,
@@ -34,7 +35,7 @@ from ortfx.errors import (
 from ortfx.export import (
     raise_if_pytorch_raises,
 )
-from ortfx.keys import Call
+from ortfx.keys import Baked, Call, GuardHint, same_value, same_values
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.runtime import logs, watch
 from ortfx.runtime.autograd import RunORT
@@ -55,8 +56,11 @@ def execute(
     call: Call,
     compiled: Compiled,
     new_state: ExportState[Compiled],
+    this_call: bool = False,
 ) -> Outcome:
-    """Run ORT for a decided call; the shell to commit carries ``new_state``."""
+    """Run ORT for a decided call; the shell to commit carries ``new_state``. ``this_call``:
+    the graph was traced from this call, so its guards hold this call's values (as PyTorch
+    computes them, which a run of ORT's may round otherwise): not checked."""
     repinned = _sizes_changed(shell, compiled, leaves, call)
     if repinned is not None:
         return repinned
@@ -103,15 +107,25 @@ def execute(
         # A call PyTorch rejects too (a wrong width, a user check) is the input's fault: its
         # own exception, and no fallback or exporter switch for later, different calls.
         raise_if_pytorch_raises(module, leaves, call.key.schema, torch.is_grad_enabled())
+        if info.guards:
+            # A constant of the graph may be what it cannot run this call with (a length to
+            # split into): another of the key's graphs, or a new export, computes it.
+            hint = call.hint or GuardHint()
+            failed = attrs.evolve(hint, failed=(*hint.failed, info.baked))
+            return Retry(attrs.evolve(shell, fast=None), _first_line(error), hint=failed)
         if not (compiled.ran and call.key.options.exporter == "torchscript"):
             raise
         # The graph ran before on other sizes: the tracer baked a size in. The dynamo
         # exporter keeps sizes symbolic; switching re-exports (the log says why).
         logs.exporter_switch(shell.log, error)
         return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
+    if info.guards and not this_call:
+        observed = info.observed(outputs)
+        if not same_values(observed, info.baked):  # computed with the wrong constants
+            return _guard_missed(shell, call, info, observed)
     if not built.ran:
         _check_output_dtypes(info, outputs)
-    if 0 in [o.numel() for o in outputs]:
+    if 0 in [o.numel() for o in outputs[: info.n_user_outputs]]:
         built = check_empty_outputs(built, module, leaves, call)
     if info.updates:
         _copy_back(info, outputs, leaves, tracked)
@@ -148,6 +162,46 @@ def _sizes_changed(
         return None
     cause = PINNED_SIZES_CHANGED.format(before=list(map(list, pinned)), now=list(map(list, sizes)))
     return Retry(invalidate(shell, cause), cause)
+
+
+# How many different values one guarded location may give before its calls are refused (the
+# policy then runs them in PyTorch): a branch (two values) or a few sizes each get a graph; a
+# value that changes every call (a token count) would export forever. Sizes vary more (batch
+# and sequence lengths) and each graph for one is used by every batch of that length.
+MAX_GUARD_VALUES = {"data": 4, "size": 8}
+
+
+def _guard_missed(
+    shell: Shell,
+    call: Call,
+    info: PostExportProcessedModelInfo,
+    observed: Baked,
+) -> Retry:
+    """A run's guards gave other values than the graph baked in: the outputs are discarded and
+    the call computed again with the graph for these values (found or exported); a location
+    that has given more values than :data:`MAX_GUARD_VALUES` allows is refused instead (the
+    policy then runs such calls in PyTorch)."""
+    # Only the first difference is the call's own: later conversions ran on values computed
+    # with the wrong constant.
+    first, guard, now = next(
+        (k, g, now)
+        for k, (g, (_, now)) in enumerate(zip(info.guards, observed, strict=True))
+        if not same_value(now, g.value)
+    )
+    values = dict(shell.guard_values)
+    seen = values.get(guard.where, frozenset({guard.value})) | {now}
+    values[guard.where] = seen
+    if len(seen) > MAX_GUARD_VALUES[guard.origin]:
+        shown = ", ".join(sorted(v[1] for v in seen)[:5])
+        raise OrtfxTorchModelError(
+            VALUE_KEEPS_CHANGING.format(
+                where=guard.where, kind=guard.kind, count=len(seen), values=shown
+            )
+        )
+    cause = f"{guard.kind} at {guard.where} was {guard.value[1]}, now {now[1]}"
+    shell = attrs.evolve(shell, guard_values=tuple(values.items()), fast=None)
+    failed = call.hint.failed if call.hint is not None else ()
+    return Retry(shell, cause, hint=GuardHint(observed[: first + 1], failed))
 
 
 def _refuse_backward_hooks(module: torch.nn.Module) -> None:
@@ -223,7 +277,8 @@ def _copy_back(
     tracked: Tracked,
 ) -> None:
     """Write the forward's in-place changes into the module's tensors and the caller's."""
-    new = outputs[info.n_user_outputs :]
+    first = info.n_user_outputs
+    new = outputs[first : first + len(info.updates)]
     with torch.no_grad():
         for update, value in zip(info.updates, new, strict=True):
             target = (

@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,22 +169,18 @@ def baked_scalars(log: WrapperLog, paths: Iterable[str]) -> None:
     )
 
 
-def tracer_baked(log: WrapperLog, found: tuple[str, ...], *, dynamic: bool) -> None:
-    # Python values computed from tensors are constants of the graph: fine for sizes the graph
-    # never sees change, wrong for values fed as dynamic scalars, and a branch on them is never
-    # checked again (a WARNING whatever else).
-    branch = "branch: "  # ortfx.export marks booleans on lines that read no sizes so
-    branches = [w.removeprefix(branch) for w in found if w.startswith(branch)]
-    if branches:
-        log.log(logging.WARNING, errors.TRACER_BAKED_BRANCHES, len(branches), branches[0])
-    values = [w for w in found if not w.startswith(branch)]
-    if values:
-        log.log(
-            logging.WARNING if dynamic else logging.INFO,
-            errors.TRACER_BAKED_VALUES,
-            len(values),
-            values[0],
-        )
+def guarded(log: WrapperLog, guards: Sequence[Any]) -> None:
+    """Warns for values taken from tensor values (a branch on data: a graph per value); values
+    taken from sizes only (specializing on shapes, as any tracer does) are said at INFO."""
+    guards = sorted(guards, key=lambda g: g.origin != "data")  # stable: trace order kept
+    level = logging.WARNING if guards[0].origin == "data" else logging.INFO
+    shown = "; ".join(
+        f"{g.kind} at {g.where} ({'tensor values' if g.origin == 'data' else 'sizes'}) "
+        f"= {g.value[1]}"
+        for g in guards[:4]
+    )
+    more = f"; and {len(guards) - 4} more" if len(guards) > 4 else ""
+    log.log(level, errors.GUARDED, len(guards), shown + more)
 
 
 def sizes_pinned(log: WrapperLog, sizes: tuple[tuple[int, ...], ...]) -> None:

@@ -36,7 +36,7 @@ from ortfx.runtime.session import (
     Timings,
 )
 from ortfx.runtime.watch import Tracked
-from ortfx.transitions import traced_for_grad_flags, traced_for_grad_mode
+from ortfx.transitions import traced_for_baked, traced_for_grad_flags, traced_for_grad_mode
 
 # ---- realize: the effectful part of a transition -----------------------------------------------
 
@@ -50,19 +50,21 @@ def realize(
     tracked: Tracked,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Compiled, Call]:
+) -> tuple[Compiled, Call, bool]:
     """Export (or reuse an entry's graph for a new session); the old state stays valid if this
     raises. The call comes back with the key its entry gets (grad mode added when the export
-    found the module asking for it)."""
+    found the module asking for it), and whether the graph was traced from this very call (its
+    guards then hold this call's values as PyTorch computes them)."""
     assert not isinstance(decision, Reuse)
     timings = Timings()
+    this_call = False
     pinned: tuple[tuple[int, ...], ...] | None = None
     writes: tuple[tuple[int, str], ...] = ()
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
         info, timings, traced = _export(shell, module, call, leaves)
-        writes = traced.writes
+        writes, this_call = traced.writes, traced.this_call
         if traced.numbers_from_tensors and _returns_numbers(info):
             pinned = tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
@@ -72,6 +74,11 @@ def realize(
         if traced.reads_grad_flags:  # the entry serves calls with these flags only
             call = traced_for_grad_flags(call)
             logs.grad_flags_traced(shell.log)
+        if info.guards:  # the entry serves calls whose runs give the values it baked in
+            call = traced_for_baked(call, info.baked)
+            logs.guarded(shell.log, info.guards)
+        elif call.key.baked is not None:  # exported after a discarded run, and baked none
+            call = traced_for_baked(call, None)
     else:
         entry = shell.state.lookup(call.key)
         assert entry is not None
@@ -85,6 +92,7 @@ def realize(
     return (
         Compiled(info, timings, tracked.fingerprint(), pinned_sizes=pinned, writes=writes),
         call,
+        this_call,
     )
 
 
@@ -148,17 +156,13 @@ def _export(
     routed = aten.routed_ops(exported.info.model)  # ops run by torch inside the graph
     if routed:
         logs.ops_in_torch(log, routed)
-    if exported.tracer_warnings:
-        if call.key.options.strict_tracing:
-            raise OrtfxExportError(
-                STRICT_TRACING_REFUSED.format(
-                    count=len(exported.tracer_warnings),
-                    module=type(module).__name__,
-                    first=exported.tracer_warnings[0].removeprefix("branch: "),
-                )
+    if exported.tracer_warnings and call.key.options.strict_tracing:
+        raise OrtfxExportError(
+            STRICT_TRACING_REFUSED.format(
+                count=len(exported.tracer_warnings),
+                module=type(module).__name__,
+                first=exported.tracer_warnings[0].removeprefix("branch: "),
             )
-        logs.tracer_baked(
-            log, exported.tracer_warnings, dynamic=bool(shell.options.dynamic_scalars)
         )
     info = passes.for_export(padding, dynamic)(exported.info)
     events.emit("export", info)
@@ -181,6 +185,7 @@ def _export(
         exported.reads_grad_mode,
         exported.reads_grad_flags,
         tuple((id(m), name) for m, name in writes),
+        this_call=True,
     )
     return info, timings, traced
 

@@ -14,7 +14,7 @@ import attrs
 from ortfx.export import (
     resolve_exporter,
 )
-from ortfx.keys import Call
+from ortfx.keys import Call, GuardHint
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.options import Options
@@ -78,6 +78,8 @@ class Shell:
     baked: frozenset[str] = frozenset()  # dynamic scalar paths found baked into a graph
     fast: FastPath | None = None
     said: frozenset[str] = frozenset()  # one-time warnings already given
+    # Per guard location (file:line), the values its runs have given: each needs a graph.
+    guard_values: tuple[tuple[str, frozenset[Any]], ...] = ()
 
     @classmethod
     def create(cls, options: Options) -> Shell:
@@ -94,6 +96,7 @@ class Shell:
             baked=self.baked,
             fast=self.fast,
             said=self.said,
+            guard_values=self.guard_values,
         )
 
     @property
@@ -165,6 +168,9 @@ class Traced:
     # (module id, name) of the public attributes the forward set while traced: the graph
     # cannot follow them (warned), and later writes of them are no change behind it.
     writes: tuple[tuple[int, str], ...] = ()
+    # The trace ran this call's own inputs (not a graph from the disk cache): the values its
+    # guards hold are what PyTorch computed for this call (ORT's may differ by rounding).
+    this_call: bool = False
 
 
 @attrs.frozen
@@ -173,6 +179,8 @@ class Retry:
 
     shell: Shell
     cause: str
+    # A discarded run of a guarded graph: which graph the next attempt tries (or exports).
+    hint: GuardHint | None = None
 
 
 class CallFailed(Exception):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import time
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import onnx
 import torch
 
@@ -37,21 +39,43 @@ from ortfx.runtime.session import (
 )
 
 _UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
+_NO_PRODUCER = re.compile(r"(\S+): couldn't find the producer node, and it's not a graph input")
+
+
+@attrs.frozen
+class _Built:
+    builder: Any
+    unreachable: frozenset[str]  # inputs requiring grad that reach no output
+    folded: frozenset[str]  # guard outputs ORT's optimizer found constant (left out)
 
 
 def _build_reachable(
-    model: bytes, config: Any, compute_optimizer: bool, pre_grad: str | None
-) -> tuple[Any, frozenset[str]]:
+    model: bytes,
+    config: Any,
+    compute_optimizer: bool,
+    pre_grad: str | None,
+    guard_outputs: frozenset[str],
+) -> _Built:
     """:func:`_build_gradient`, leaving out the inputs and parameters that require grad but
     reach no output through differentiable ops (a mask compared, a tensor only measured):
     ORT refuses to build for them, torch leaves their ``.grad`` None. Not when the path goes
-    through rounding (torch gives zeros there): then the build error stands. Returns their
-    names."""
+    through rounding (torch gives zeros there): then the build error stands.
+
+    Also leaves out the guard outputs (see :class:`~ortfx.model_info.Guard`) that ORT's
+    optimizer folded into constants, which its builder then cannot find: they hold sizes the
+    graph's static shapes already fix, so their value cannot change from run to run."""
     dropped: set[str] = set()
+    folded: set[str] = set()
     while True:
         try:
-            return _build_gradient(model, config, compute_optimizer, pre_grad), frozenset(dropped)
+            builder = _build_gradient(model, config, compute_optimizer, pre_grad)
+            return _Built(builder, frozenset(dropped), frozenset(folded))
         except Exception as e:
+            constant = _NO_PRODUCER.search(str(e))
+            if constant and constant.group(1) in guard_outputs - folded:
+                folded.add(constant.group(1))
+                model = _without_outputs(model, folded)
+                continue
             found = _UNREACHABLE.search(str(e))
             if (
                 found is None
@@ -67,6 +91,15 @@ def _build_reachable(
             config.initializer_names_to_train = [
                 n for n in config.initializer_names_to_train if n != name
             ]
+
+
+def _without_outputs(model: bytes, names: set[str]) -> bytes:
+    proto = onnx.load_model_from_string(model)
+    kept = [o for o in proto.graph.output if o.name not in names]
+    del proto.graph.output[:]
+    proto.graph.output.extend(kept)
+    data: bytes = proto.SerializeToString()
+    return data
 
 
 # Ops through which torch passes a zero gradient (not None): an input reached only through
@@ -164,6 +197,9 @@ class TrainingRunner:
     owned_grads: frozenset[int] = frozenset()
     # Runs release torch's idle OpenMP threads first (ortfx.runtime.openmp).
     releases_torch_threads: bool = False
+    # (output position, value) of the guard outputs ORT folded into constants (see
+    # _build_reachable): the forward puts their values back where ortfx expects them.
+    constants: tuple[tuple[int, torch.Tensor], ...] = ()
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -204,7 +240,10 @@ class TrainingRunner:
                     pythonop.release(contexts)
                     raise run_failed("forward", graph_inputs, e) from e
         trigger = None if self.trigger_slot is None else inputs[self.trigger_slot]
-        return to_torch(fetches), ForwardRun(run_state, contexts, trigger, fed)
+        outputs = to_torch(fetches)
+        for k, value in self.constants:
+            outputs.insert(k, value.clone())
+        return outputs, ForwardRun(run_state, contexts, trigger, fed)
 
     def backward(
         self,
@@ -338,9 +377,11 @@ def _open_training(
     config.loglevel = C.Severity.VERBOSE if verbose else C.Severity.ERROR
     pre_grad = f"{save_prefix}_optimized_pre_grad_{mode}.onnx" if save_prefix else None
     failure: str | None = None
+    n_outputs = len(info.output_names)
+    guard_outputs = frozenset(info.output_names[n_outputs - len(info.guards) :])
     try:
-        builder, unreachable = _build_reachable(
-            info.model, config, options.enable_compute_optimizer, pre_grad
+        built = _build_reachable(
+            info.model, config, options.enable_compute_optimizer, pre_grad, guard_outputs
         )
     except Exception as e:
         if not options.enable_compute_optimizer:
@@ -349,9 +390,10 @@ def _open_training(
         # the loss) that build fine without it.
         failure = first_line(e)
         try:
-            builder, unreachable = _build_reachable(info.model, config, False, pre_grad)
+            built = _build_reachable(info.model, config, False, pre_grad, guard_outputs)
         except Exception as again:
             raise build_failed(info.model, again) from again
+    builder, unreachable = built.builder, built.unreachable
     gi = builder.get_graph_info()
     gradient_model: bytes = builder.get_gradient_model()
     gradient_model = passes.for_gradient(
@@ -386,6 +428,12 @@ def _open_training(
             "this is an ortfx bug, please report it."
         )
     fetches = [o.name for o in session.get_outputs()]
+    kept = [k for k, name in enumerate(info.output_names) if name not in built.folded]
+    constants = {
+        k: _guard_constant(info, k, device)
+        for k, name in enumerate(info.output_names)
+        if name in built.folded
+    }
     _, ort_device = providers_for(device)
     # The device lists must match ORT's own counts exactly: a short list aborts the process.
     n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
@@ -398,9 +446,13 @@ def _open_training(
         agent=agent,
         gradient_build_seconds=gradient_build_seconds,
         session_seconds=time.perf_counter() - start,
-        non_differentiable=frozenset(gi.output_grad_indices_non_differentiable),
-        full_shape=frozenset(gi.output_grad_indices_require_full_shape),
-        saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
+        # ORT numbers the outputs it kept; ortfx's numbering has the folded guards too.
+        non_differentiable=frozenset(
+            {kept[k] for k in gi.output_grad_indices_non_differentiable} | set(constants)
+        ),
+        full_shape=frozenset(kept[k] for k in gi.output_grad_indices_require_full_shape),
+        saved_outputs=tuple(kept[k] for k in gi.module_output_indices_requires_save_for_backward),
+        constants=tuple(sorted(constants.items())),
         grad_slots=tuple(
             k
             for k, spec in enumerate(info.inputs)
@@ -416,6 +468,17 @@ def _open_training(
         ),
         owned_grads=owned,
     )
+
+
+def _guard_constant(
+    info: PostExportProcessedModelInfo, position: int, device: torch.device
+) -> torch.Tensor:
+    """The tensor a guard output that ORT folded would give: its baked value."""
+    guard = info.guards[position - (len(info.output_names) - len(info.guards))]
+    output = onnx.load_model_from_string(info.model).graph.output[position]
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(output.type.tensor_type.elem_type)
+    value = float(guard.value[1]) if guard.value[0] == "float" else ast.literal_eval(guard.value[1])
+    return torch.from_numpy(np.array(value, dtype=dtype)).to(device)
 
 
 def _owned_gradients(path: str | None) -> frozenset[int]:
