@@ -23,14 +23,51 @@ from ortfx import _torch
 from ortfx.errors import OrtfxExportError
 from ortfx.export.reads import own_code
 
+_STREAMS = (
+    torch.Generator,
+    random.Random,
+    np.random.Generator,
+    np.random.RandomState,
+    np.random.BitGenerator,
+)
+
+
+def _held_streams(module: torch.nn.Module) -> list[Callable[[], object]]:
+    """A restorer for every random stream ``module``'s tree holds as an attribute (directly,
+    or in a list, tuple or dict): torch generators, Python's and numpy's. The forward may
+    draw from them or reseed them by their own methods, which no op watch sees."""
+    found: dict[int, Any] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            inner = value.values() if isinstance(value, dict) else value
+            items = inner if isinstance(value, dict | list | tuple) else (value,)
+            for item in items:
+                if isinstance(item, _STREAMS):
+                    found.setdefault(id(item), item)
+    restorers: list[Callable[[], object]] = []
+    for stream in found.values():
+        if isinstance(stream, torch.Generator):
+            restorers.append(functools.partial(stream.set_state, stream.get_state()))
+        elif isinstance(stream, random.Random):
+            restorers.append(functools.partial(stream.setstate, stream.getstate()))
+        elif isinstance(stream, np.random.RandomState):
+            restorers.append(functools.partial(stream.set_state, stream.get_state()))
+        else:
+            bits = stream.bit_generator if isinstance(stream, np.random.Generator) else stream
+            restorers.append(functools.partial(setattr, bits, "state", bits.state))
+    return restorers
+
 
 @contextlib.contextmanager
-def preserved_random_state() -> Iterator[None]:
-    """Export runs the module; the user's Python, numpy and torch RNG streams must not move."""
+def preserved_random_state(module: torch.nn.Module | None = None) -> Iterator[None]:
+    """Export runs the module: no random stream of the user's may move. Python's, numpy's and
+    torch's default ones are put back, and those ``module`` holds; in an export, the watch
+    saves the generators the traced forward's ops are given (:func:`generators_restored`)."""
     py_state = random.getstate()
     np_state = np.random.get_state()
     torch_state = torch.random.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    held = _held_streams(module) if module is not None else []
     try:
         yield
     finally:
@@ -39,6 +76,19 @@ def preserved_random_state() -> Iterator[None]:
         torch.random.set_rng_state(torch_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+        for restore in held:
+            restore()
+
+
+@contextlib.contextmanager
+def generators_restored(saved: dict[int, tuple[torch.Generator, torch.Tensor]]) -> Iterator[None]:
+    """When the export ends, every generator in ``saved`` (filled by the export's watch as the
+    traced forward's ops meet them, each before its first draw) goes back to its state."""
+    try:
+        yield
+    finally:
+        for generator, state in saved.values():
+            generator.set_state(state)
 
 
 PARAMETER_CHANGED_IN_EXPORT = (

@@ -258,7 +258,7 @@ def export(
     try:
         with (
             _one_export_at_a_time(),
-            rewrites.preserved_random_state(),
+            rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
             rewrites.batch_norm_updates_in_graph(module),
             traced as calls,
@@ -269,6 +269,7 @@ def export(
                 dynamo=dynamo,
                 any_grad=any_grad,
             ) as watch,
+            rewrites.generators_restored(watch.reads.generators),
         ):
             seen = watch.reads
             flat = FlatCall(module, leaves, schema, watch)
@@ -321,7 +322,8 @@ def export(
         if refused is not None:
             raise refused from None  # ortfx's own refusal from a symbolic or a translation
         if flat.raised is not None:
-            raise_if_pytorch_raises(module, leaves, schema, grad_enabled)
+            with rewrites.generators_restored(seen.generators):  # the eager run draws too
+                raise_if_pytorch_raises(module, leaves, schema, grad_enabled)
         other = "dynamo" if options.exporter == "torchscript" else "torchscript"
         rendered = ", ".join(
             f"{p}: {s.render()}" for p, s in zip(schema.paths, schema.leaves, strict=True)
@@ -430,7 +432,7 @@ def raise_if_pytorch_raises(
     args, kwargs = io.unflatten(schema.treespec, tensor_leaves)
     try:
         with (
-            rewrites.preserved_random_state(),
+            rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
             torch.set_grad_enabled(grad_enabled),
         ):
