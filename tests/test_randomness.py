@@ -1,17 +1,20 @@
-"""Random streams through ortfx.
+"""Random streams through ortfx, and reentrant checkpoints whose inputs do not require grad.
 
-An export draws from no stream of the user's (torch's default generators, a module's own
-``torch.Generator``, one given to an op, Python's and numpy's); ORT's random nodes (Dropout,
-``torch.rand``, ...) are seeded from torch's state so that the same torch seed gives the same
-numbers, run to run, and a new session (a re-process) or the convergence hooks never repeat or
-shift a stream.
+Randomness: an export draws from no stream of the user's (torch's default generators, a
+module's own ``torch.Generator``, one given to an op, Python's and numpy's); ORT's random nodes
+(Dropout, ``torch.rand``, ...) are seeded from torch's state so that the same torch seed gives
+the same numbers, run to run, and a new session (a re-process) or the convergence hooks never
+repeat or shift a stream. Checkpoints: ``checkpoint(fn, h, use_reentrant=True)`` with no input
+requiring grad gives, as in eager, outputs without gradients and torch's warning.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,13 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import ortfx
 from ortfx.export import rewrites
 from ortfx.hooks import GlobalSubscriberManager, StatisticsSubscriber
+
+from .models import max_diff
 
 EXPORTERS = ["torchscript", "dynamo"]
 
@@ -230,3 +236,121 @@ def test_the_convergence_hooks_change_no_dropout_mask(tmp_path: Path) -> None:
     assert (tmp_path / "o" / "step_0").is_dir()
     for a, b in zip(plain, observed, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- reentrant checkpoints whose inputs do not require grad ---------------------------------
+
+
+class Frozen(nn.Module):
+    """PEFT's shape: a frozen embedding, then a reentrant-checkpointed block, then a head."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.emb.weight.requires_grad_(False)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = None if style == "no_head" else nn.Linear(8, 2)
+        self.style = style
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        if self.style == "sequential":  # checkpoints block[0]; block[1:] runs plainly
+            h = checkpoint_sequential(self.block, 2, h, use_reentrant=True)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=True)
+        return h if self.head is None else self.head(h)
+
+
+IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+
+def _called(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = model(ids)
+    return out, [(str(w.message), w.category, w.filename, w.lineno) for w in seen]
+
+
+def _same_grad(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and max_diff(a, b) <= 1e-5)
+
+
+def _pair(style: str, **options: Any) -> tuple[nn.Module, ortfx.ORTModule]:
+    torch.manual_seed(0)
+    eager = Frozen(style)
+    return eager, ortfx.ORTModule(copy.deepcopy(eager), options=ortfx.Options(**options))
+
+
+@pytest.mark.parametrize("style", ["head", "sequential", "no_head"])
+def test_a_reentrant_checkpoint_without_grad_inputs_trains_as_in_eager(style: str) -> None:
+    """The same warnings (torch's text, category and place), the same requires_grad on the
+    output, and the same gradients: none for the checkpointed parameters; in ORT."""
+    eager, wrapped = _pair(style)
+    expected, eager_warnings = _called(eager, IDS)
+    out, ortfx_warnings = _called(wrapped, IDS)
+    assert ortfx_warnings == eager_warnings
+    assert [w[0] for w in eager_warnings] == [rewrites.NO_INPUT_REQUIRES_GRAD]
+    assert out.requires_grad == expected.requires_grad == (style != "no_head")
+    assert max_diff(out, expected) <= 1e-6
+    if expected.requires_grad:
+        expected.sum().backward()
+        out.sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+        assert _same_grad(p.grad, q.grad), name
+    assert eager.block[0].weight.grad is None
+    assert ortfx.stats(wrapped).fallback is None
+
+
+def test_autograd_grad_through_a_reentrant_checkpoint_raises_as_in_eager() -> None:
+    eager, wrapped = _pair("head")
+    messages = []
+    for model, inner in ((eager, eager), (wrapped, wrapped.module)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = model(IDS).sum()
+        with pytest.raises(RuntimeError) as info:
+            torch.autograd.grad(loss, inner.block[0].weight)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert "appears to not have been used in the graph" in messages[0]
+
+
+def test_the_graph_follows_the_flags_and_grad_mode_a_reentrant_checkpoint_read() -> None:
+    """A first call without grad (a validation pass), then training, then the embedding
+    unfrozen (its output now requires grad): each graph gives eager's gradients."""
+    eager, wrapped = _pair("head")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            assert max_diff(wrapped(IDS), eager(IDS)) <= 1e-6
+        for unfreeze in (False, True):
+            if unfreeze:
+                eager.emb.weight.requires_grad_(True)
+                wrapped.module.emb.weight.requires_grad_(True)
+            for model in (eager, wrapped):
+                model.zero_grad(set_to_none=True)
+                model(IDS).sum().backward()
+            for (name, p), q in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+                assert _same_grad(p.grad, q.grad), (unfreeze, name)
+    assert eager.block[0].weight.grad is not None  # unfrozen: the block trains
+    assert ortfx.stats(wrapped).exports == 3
+    assert ortfx.stats(wrapped).fallback is None
+
+
+def test_dynamo_cannot_tell_and_refuses_naming_the_line() -> None:
+    """The dynamo exporter's copies do not say whether they require grad: refused (typed);
+    under the default policy the module runs in PyTorch, with eager's results."""
+    _, strict = _pair("head", exporter="dynamo", fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    with pytest.raises(ortfx.OrtfxExportError) as info:
+        strict(IDS)
+    assert str(info.value).startswith(
+        "the forward of Frozen calls torch.utils.checkpoint with use_reentrant=True "
+        "(test_randomness.py:"
+    )
+    eager, wrapped = _pair("head", exporter="dynamo")
+    expected, eager_warnings = _called(eager, IDS)
+    out, ortfx_warnings = _called(wrapped, IDS)
+    assert ortfx_warnings == eager_warnings
+    assert max_diff(out, expected) == 0.0
+    assert out.requires_grad
+    assert ortfx.stats(wrapped).fallback_calls == 1

@@ -251,17 +251,17 @@ def export(
     flat = FlatCall(module, leaves, schema)  # replaced by the watched one below
     dynamo = options.exporter != "torchscript"
     exporter = exporters.dynamo if dynamo else exporters.torchscript
-    traced = rewrites.checkpoints_traced_directly(module)
     any_grad = any(schema.requires_grad[i] for i in positions) or any(
         t.requires_grad for t in (*module.parameters(), *module.buffers())
     )
+    traced = rewrites.checkpoints_traced_directly(module, unsure=dynamo and any_grad)
     try:
         with (
             _one_export_at_a_time(),
             rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
             rewrites.batch_norm_updates_in_graph(module),
-            traced as calls,
+            traced as checkpoints,
             reads.watched(
                 grad_enabled=grad_enabled,
                 inputs=tensors,
@@ -289,7 +289,7 @@ def export(
                 # (with the call's outputs and their autograd contexts) live until a GC pass.
                 flat.raised = None
                 flat = FlatCall(module, leaves, schema, watch)
-                calls[0] = 0
+                checkpoints.calls = 0
                 with functions.bodies_untraced():
                     model = exporter(flat, tensors, input_names, options.opset_version)
             if seen.hooks:  # only recorded for calls with grad
@@ -310,7 +310,7 @@ def export(
                 # The dynamo exporter inlines Functions (their backward would be lost): only
                 # the TorchScript exporter keeps them, as PythonOp nodes.
                 flat = FlatCall(module, leaves, schema, watch)
-                calls[0] = 0
+                checkpoints.calls = 0
                 model = exporters.torchscript(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:
         raise
@@ -346,11 +346,11 @@ def export(
     return Exported(
         info,
         time.perf_counter() - start,
-        calls[0],
+        checkpoints.calls,
         baked,
         custom,
-        reads_grad_mode=seen.mode,
-        reads_grad_flags=seen.leaves,
+        reads_grad_mode=seen.mode or checkpoints.reads_grad,
+        reads_grad_flags=seen.leaves or checkpoints.reads_grad,
         numbers_from_tensors=numbers,
         writes=flat.writes,
     )
