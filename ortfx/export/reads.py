@@ -154,6 +154,9 @@ class Reads:
     # A profiler the watch cannot chain to hid what only its profile hook sees (custom
     # Functions under the dynamo exporter).
     unseen: bool = False
+    # id -> (generator, its state before the forward's first draw from it): every generator an
+    # op of the forward was given, put back when the export ends (rewrites.generators_restored)
+    generators: dict[int, tuple[torch.Generator, torch.Tensor]] = attrs.Factory(dict)
 
 
 class _Watch(torch.overrides.TorchFunctionMode):
@@ -189,6 +192,9 @@ class _Watch(torch.overrides.TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        for given in (*args, *kwargs.values()):  # generator= or positional (torch.poisson)
+            if isinstance(given, torch.Generator) and id(given) not in self.reads.generators:
+                self.reads.generators[id(given)] = (given, given.get_state())
         attribute = _DESCRIPTORS.get(id(getattr(func, "__self__", None)))
         if attribute is not None:
             if func.__name__ == "__get__":

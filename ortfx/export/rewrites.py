@@ -8,29 +8,70 @@ every replacement here answers other threads with torch's own behaviour.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import random
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import numpy as np
+import optree
 import torch
 
-from ortfx import _torch
+from ortfx import _torch, io
 from ortfx.errors import OrtfxExportError
-from ortfx.export.reads import own_code
+from ortfx.export.reads import line_of, own_code
+
+_STREAMS = (
+    torch.Generator,
+    random.Random,
+    np.random.Generator,
+    np.random.RandomState,
+    np.random.BitGenerator,
+)
+
+
+def _held_streams(module: torch.nn.Module) -> list[Callable[[], object]]:
+    """A restorer for every random stream ``module``'s tree holds as an attribute (directly,
+    or in a list, tuple or dict): torch generators, Python's and numpy's. The forward may
+    draw from them or reseed them by their own methods, which no op watch sees."""
+    found: dict[int, Any] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            inner = value.values() if isinstance(value, dict) else value
+            items = inner if isinstance(value, dict | list | tuple) else (value,)
+            for item in items:
+                if isinstance(item, _STREAMS):
+                    found.setdefault(id(item), item)
+    restorers: list[Callable[[], object]] = []
+    for stream in found.values():
+        if isinstance(stream, torch.Generator):
+            restorers.append(functools.partial(stream.set_state, stream.get_state()))
+        elif isinstance(stream, random.Random):
+            restorers.append(functools.partial(stream.setstate, stream.getstate()))
+        elif isinstance(stream, np.random.RandomState):
+            restorers.append(functools.partial(stream.set_state, stream.get_state()))
+        else:
+            bits = stream.bit_generator if isinstance(stream, np.random.Generator) else stream
+            restorers.append(functools.partial(setattr, bits, "state", bits.state))
+    return restorers
 
 
 @contextlib.contextmanager
-def preserved_random_state() -> Iterator[None]:
-    """Export runs the module; the user's Python, numpy and torch RNG streams must not move."""
+def preserved_random_state(module: torch.nn.Module | None = None) -> Iterator[None]:
+    """Export runs the module: no random stream of the user's may move. Python's, numpy's and
+    torch's default ones are put back, and those ``module`` holds; in an export, the watch
+    saves the generators the traced forward's ops are given (:func:`generators_restored`)."""
     py_state = random.getstate()
     np_state = np.random.get_state()
     torch_state = torch.random.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    held = _held_streams(module) if module is not None else []
     try:
         yield
     finally:
@@ -39,6 +80,19 @@ def preserved_random_state() -> Iterator[None]:
         torch.random.set_rng_state(torch_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+        for restore in held:
+            restore()
+
+
+@contextlib.contextmanager
+def generators_restored(saved: dict[int, tuple[torch.Generator, torch.Tensor]]) -> Iterator[None]:
+    """When the export ends, every generator in ``saved`` (filled by the export's watch as the
+    traced forward's ops meet them, each before its first draw) goes back to its state."""
+    try:
+        yield
+    finally:
+        for generator, state in saved.values():
+            generator.set_state(state)
 
 
 PARAMETER_CHANGED_IN_EXPORT = (
@@ -198,12 +252,85 @@ def _rebind(
     return undo
 
 
+# torch's own text (torch.utils.checkpoint.check_backward_validity)
+NO_INPUT_REQUIRES_GRAD = "None of the inputs have requires_grad=True. Gradients will be None"
+
+REENTRANT_CHECKPOINT_UNSURE = (
+    "the forward of {module} calls torch.utils.checkpoint with use_reentrant=True ({where}); "
+    "PyTorch gives its outputs gradients only if one of its tensor arguments requires grad, and "
+    "the dynamo exporter traces copies that cannot say whether they do, so the graph could train "
+    "parameters PyTorch leaves without gradients. Pass use_reentrant=False (transformers: "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})), "
+    "export with Options(exporter='torchscript'), or run the module in PyTorch (the default "
+    "fallback policy does)."
+)
+
+
+@attrs.define
+class Checkpoints:
+    """The checkpoint calls one export traced."""
+
+    calls: int = 0
+    # A reentrant checkpoint was met: whether its outputs carry gradients depends on its
+    # arguments' requires_grad, so the graph serves calls with these flags and grad mode only.
+    reads_grad: bool = False
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+        return value.detach()
+    return value
+
+
+_LIBRARIES = ("torch.", "ortfx.")
+
+
+def _user_line(frame: types.FrameType | None) -> str:
+    """``file:line`` of the first frame outside torch and ortfx."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_LIBRARIES):
+        frame = frame.f_back
+    return "?" if frame is None else line_of(frame)
+
+
+@functools.cache
+def _validity_check_line(code: types.CodeType) -> int:
+    """Where torch warns that no input requires grad: the line of ``CheckpointFunction.forward``
+    (``code``) calling ``check_backward_validity`` (the warning's ``stacklevel=2``)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.argval == "check_backward_validity" and instruction.positions:
+            return instruction.positions.lineno or code.co_firstlineno
+    return code.co_firstlineno
+
+
+def _warn_no_input_requires_grad(reentrant: Any) -> None:
+    """torch's warning, attributed where torch's ``reentrant`` Function gives it (its module
+    and line), so that a filter on it applies as in eager."""
+    code = reentrant.forward.__code__
+    namespace = sys.modules[reentrant.__module__].__dict__
+    warnings.warn_explicit(
+        NO_INPUT_REQUIRES_GRAD,
+        UserWarning,
+        code.co_filename,
+        _validity_check_line(code),
+        module=reentrant.__module__,
+        registry=namespace.setdefault("__warningregistry__", {}),
+        module_globals=namespace,
+    )
+
+
 @contextlib.contextmanager
-def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
+def checkpoints_traced_directly(
+    module: torch.nn.Module, *, unsure: bool = False
+) -> Iterator[Checkpoints]:
     """Trace the function inside ``torch.utils.checkpoint.checkpoint`` as plain code.
 
     The reentrant variant is an autograd.Function the exporter cannot express; recompute is
-    ORT's job (the memory optimizer). Yields a one-item list counting the calls.
+    ORT's job (the memory optimizer). As that Function, a reentrant call whose tensor arguments
+    do not require grad warns as torch does and runs its function under ``no_grad``, its
+    outputs detached (gradient stops in the graph): PyTorch gives its parameters no gradient.
+    ``unsure``: the trace's requires_grad flags cannot be trusted (the dynamo exporter while
+    something requires grad), so such a call is refused instead. Yields the :class:`Checkpoints`
+    record.
 
     Counted through public names only (torch moves checkpoint's internals between releases):
     ``checkpoint`` itself, every binding of it that ``module``'s code holds (a module-level
@@ -214,9 +341,24 @@ def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
     """
     from torch.utils import checkpoint as ckpt
 
-    calls = [0]
+    record = Checkpoints()
     public, reentrant = ckpt.checkpoint, ckpt.CheckpointFunction
     exporting = threading.get_ident()
+
+    def as_reentrant(function: Any, args: tuple[Any, ...]) -> Any:
+        record.reads_grad = True
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function(*args)
+        if unsure:
+            raise OrtfxExportError(
+                REENTRANT_CHECKPOINT_UNSURE.format(
+                    module=type(module).__name__, where=_user_line(sys._getframe(2))
+                )
+            )
+        _warn_no_input_requires_grad(reentrant)
+        with torch.no_grad():
+            out = function(*args)
+        return optree.tree_map(_detached, out, namespace=io.NAMESPACE)
 
     def direct(function: Any = None, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != exporting:
@@ -229,16 +371,18 @@ def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
         if kwargs and own.get("use_reentrant") is not False:
             # as torch: only the non-reentrant variant passes keywords on to the function
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
-        calls[0] += 1
-        return function(*args, **kwargs)
+        record.calls += 1
+        if own.get("use_reentrant") is False:
+            return function(*args, **kwargs)
+        return as_reentrant(function, args)
 
     class Direct:
         @staticmethod
         def apply(function: Any, preserve: bool, *args: Any) -> Any:
             if threading.get_ident() != exporting:
                 return reentrant.apply(function, preserve, *args)  # type: ignore[no-untyped-call]
-            calls[0] += 1
-            return function(*args)
+            record.calls += 1
+            return as_reentrant(function, args)
 
     undo = _rebind(vars(ckpt), public, direct)
     undo += _rebind(vars(ckpt), reentrant, Direct)
@@ -249,7 +393,7 @@ def checkpoints_traced_directly(module: torch.nn.Module) -> Iterator[list[int]]:
                 code = sys.modules.get(klass.__module__)
                 if code is not None and code is not ckpt:
                     undo += _rebind(vars(code), public, direct)
-        yield calls
+        yield record
     finally:
         for namespace, name, value in reversed(undo):
             namespace[name] = value

@@ -263,17 +263,17 @@ def export(
     flat = FlatCall(module, leaves, schema)  # replaced by the watched one below
     dynamo = options.exporter != "torchscript"
     exporter = exporters.dynamo if dynamo else exporters.torchscript
-    traced = rewrites.checkpoints_traced_directly(module)
     any_grad = any(schema.requires_grad[i] for i in positions) or any(
         t.requires_grad for t in (*module.parameters(), *module.buffers())
     )
+    traced = rewrites.checkpoints_traced_directly(module, unsure=dynamo and any_grad)
     try:
         with (
             _one_export_at_a_time(),
-            rewrites.preserved_random_state(),
+            rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
             rewrites.batch_norm_updates_in_graph(module),
-            traced as calls,
+            traced as checkpoints,
             reads.watched(
                 grad_enabled=grad_enabled,
                 inputs=tensors,
@@ -281,6 +281,7 @@ def export(
                 dynamo=dynamo,
                 any_grad=any_grad,
             ) as watch,
+            rewrites.generators_restored(watch.reads.generators),
         ):
             seen = watch.reads
             flat = FlatCall(module, leaves, schema, watch)
@@ -300,7 +301,7 @@ def export(
                 # (with the call's outputs and their autograd contexts) live until a GC pass.
                 flat.raised = None
                 flat = FlatCall(module, leaves, schema, watch)
-                calls[0] = 0
+                checkpoints.calls = 0
                 with functions.bodies_untraced():
                     model = exporter(flat, tensors, input_names, options.opset_version)
             if seen.hooks:  # only recorded for calls with grad
@@ -321,7 +322,7 @@ def export(
                 # The dynamo exporter inlines Functions (their backward would be lost): only
                 # the TorchScript exporter keeps them, as PythonOp nodes.
                 flat = FlatCall(module, leaves, schema, watch)
-                calls[0] = 0
+                checkpoints.calls = 0
                 model = exporters.torchscript(flat, tensors, input_names, options.opset_version)
     except OrtfxExportError:
         raise
@@ -333,7 +334,8 @@ def export(
         if refused is not None:
             raise refused from None  # ortfx's own refusal from a symbolic or a translation
         if flat.raised is not None:
-            raise_if_pytorch_raises(module, leaves, schema, grad_enabled)
+            with rewrites.generators_restored(seen.generators):  # the eager run draws too
+                raise_if_pytorch_raises(module, leaves, schema, grad_enabled)
         other = "dynamo" if options.exporter == "torchscript" else "torchscript"
         rendered = ", ".join(
             f"{p}: {s.render()}" for p, s in zip(schema.paths, schema.leaves, strict=True)
@@ -356,11 +358,11 @@ def export(
     return Exported(
         info,
         time.perf_counter() - start,
-        calls[0],
+        checkpoints.calls,
         baked,
         custom,
-        reads_grad_mode=seen.mode,
-        reads_grad_flags=seen.leaves,
+        reads_grad_mode=seen.mode or checkpoints.reads_grad,
+        reads_grad_flags=seen.leaves or checkpoints.reads_grad,
         numbers_from_tensors=numbers,
         writes=flat.writes,
     )
@@ -443,7 +445,7 @@ def raise_if_pytorch_raises(
     args, kwargs = io.unflatten(schema.treespec, tensor_leaves)
     try:
         with (
-            rewrites.preserved_random_state(),
+            rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
             torch.set_grad_enabled(grad_enabled),
         ):

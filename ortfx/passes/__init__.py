@@ -11,7 +11,7 @@ The passes, one family a file:
 - ``core``: the :data:`Pass` type, :func:`graph_pass`, :func:`chain`, shared graph queries;
 - ``interface``: node outputs ORT's gradients read (layer-norm stats, cross-entropy log-prob,
   PythonOp ctx), one value per graph output, user inputs first, dynamic scalars;
-- ``dropout``: dropout masks and seeds;
+- ``dropout``: dropout masks, and the seeds of random nodes;
 - ``workarounds``: graphs rewritten around ORT faults (stop edges, integer division by zero,
   ``keepdims=0`` reductions, ``Where`` broadcasts, grouped 1-d convolutions);
 - ``speed``: faster equal forms (tanh as sigmoid, cross-entropy split);
@@ -25,7 +25,7 @@ The passes, one family a file:
 """
 
 from ortfx.passes.core import Edit, Pass, chain, graph_pass
-from ortfx.passes.dropout import add_dropout_masks, seed_dropouts
+from ortfx.passes.dropout import add_dropout_masks, seed_random_nodes, session_seed
 from ortfx.passes.embedding import (
     PADDED_GATHER,
     PADDED_GATHER_DOMAIN,
@@ -98,8 +98,9 @@ __all__ = [
     "refuse_unsafe_gradients",
     "relu_grad_in_torch",
     "relu_grad_passes_nan",
-    "seed_dropouts",
+    "seed_random_nodes",
     "separate_outputs",
+    "session_seed",
     "split_cross_entropy",
     "stop_edges_behind_identity",
     "symbolic_shapes",

@@ -1,7 +1,9 @@
-"""Dropout: the mask output its gradient reads, and seeds derived from torch's, so that the
-same torch seed gives the same masks."""
+"""Dropout and ORT's other random nodes: the mask output Dropout's gradient reads, and a seed for
+every random node, so that a session's draws are reproducible and no two streams coincide."""
 
 from __future__ import annotations
+
+import hashlib
 
 import onnx
 
@@ -19,19 +21,57 @@ def add_dropout_masks(model: onnx.ModelProto) -> bool:
     return changed
 
 
-def seed_dropouts(seed: int) -> Pass:
-    """Give each Dropout a seed derived from ``seed``: same torch seed, same masks, run to run."""
+# ONNX's random ops and the type of their ``seed`` attribute. Unseeded, ORT seeds the generators
+# from the clock (other runs draw other numbers), and a seed restarts its stream in every new
+# session; Dropout's is an integer, the others' a float (exact up to 2**24).
+_SEED_BITS = {
+    "Dropout": 31,
+    "RandomUniform": 24,
+    "RandomUniformLike": 24,
+    "RandomNormal": 24,
+    "RandomNormalLike": 24,
+    "Bernoulli": 24,
+    "Multinomial": 24,
+}
+
+
+def _mix(*parts: bytes | int) -> int:
+    """A 64-bit digest of ``parts``: independent seeds from related inputs, the same in every
+    process (Python's ``hash`` is salted per process)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.to_bytes(8, "little"))
+        digest.update(b"|")
+    return int.from_bytes(digest.digest(), "little")
+
+
+def session_seed(torch_state: bytes, session: int) -> int:
+    """The seed of one ORT session's random nodes: from torch's generator state (read, never
+    drawn from: the same torch seed and the same program give the same masks, run to run) and
+    the wrapper's count of sessions made before it (a new session after a re-process starts a
+    new stream instead of repeating the first one's)."""
+    return _mix(torch_state, session)
+
+
+def seed_random_nodes(seed: int) -> Pass:
+    """Give each random node (Dropout, RandomUniform, Bernoulli, ...) its own seed from ``seed``
+    and its position among the graph's random nodes. The position, not the node's index: nodes
+    added elsewhere in the graph (the convergence hooks' PythonOps) then change no mask."""
 
     @graph_pass
     def run(model: onnx.ModelProto) -> bool:
-        changed = False
-        for i, node in enumerate(model.graph.node):
-            if is_standard(node, "Dropout"):
-                kept = [a for a in node.attribute if a.name != "seed"]
-                del node.attribute[:]
-                node.attribute.extend(kept)
-                node.attribute.append(onnx.helper.make_attribute("seed", (seed + 7919 * i) % 2**31))
-                changed = True
-        return changed
+        position = 0
+        for node in model.graph.node:
+            bits = _SEED_BITS.get(node.op_type)
+            if bits is None or not is_standard(node, node.op_type):
+                continue
+            value = _mix(seed, position) % 2**bits
+            position += 1
+            kept = [a for a in node.attribute if a.name != "seed"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            attribute = value if node.op_type == "Dropout" else float(value)
+            node.attribute.append(onnx.helper.make_attribute("seed", attribute))
+        return position > 0
 
     return run

@@ -1,12 +1,12 @@
 """The named pipelines: every graph ORT runs comes out of one of these, in this order.
 
 1. :func:`for_export`, once per export: the exporter's graph made trainable by ORT.
-2. :func:`for_session`, once per ORT training session: what it differentiates, dropout seeds,
+2. :func:`for_session`, once per ORT training session: what it differentiates, random seeds,
    the refusal of unsafe gradients, concrete sizes, parameter feeds, symbolic shapes.
 3. :func:`for_gradient`, on the gradient model ORT builds for that session: gradient kernels
    run by torch, reductions that never reduce dropped, parameter feeds ordered after their
    readers and (ZeRO-3) gathered per layer.
-4. :func:`for_inference`, once per ORT inference session: dropout seeds.
+4. :func:`for_inference`, once per ORT inference session: random seeds.
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ def for_session(
     feed_params_through: str | None = None,
 ) -> Pass:
     """Pipeline 2, once per ORT training session: what this session differentiates, the
-    dropout seeds of torch's current seed, the refusal of graphs whose gradient build would
-    kill the process, the user inputs' concrete ``sizes`` when the graph needs them
-    (``static_size_ops``), the parameters fed through the autograd.Function named
-    ``feed_params_through`` (memory-efficient gradients,
+    seeds of its random nodes from the session's ``seed`` (:func:`dropout.session_seed`), the
+    refusal of graphs whose gradient build would kill the process, the user inputs' concrete
+    ``sizes`` when the graph needs them (``static_size_ops``), the parameters fed through the
+    autograd.Function named ``feed_params_through`` (memory-efficient gradients,
     :func:`~ortfx.passes.feeds.feed_parameters`), and (for the memory optimizer) symbolic
     intermediate shapes."""
     stages: list[Pass] = [
         gradients.with_grad_requirements(inputs_requiring_grad, params_requiring_grad),
-        dropout.seed_dropouts(seed),
+        dropout.seed_random_nodes(seed),
         gradients.refuse_unsafe_gradients,
         shapes.pin_sizes(sizes),
     ]
@@ -134,5 +134,6 @@ def for_gradient(
 
 
 def for_inference(seed: int) -> Pass:
-    """Pipeline 4, once per ORT inference session: the dropout seeds of torch's ``seed``."""
-    return dropout.seed_dropouts(seed)
+    """Pipeline 4, once per ORT inference session: the seeds of its random nodes from the
+    session's ``seed`` (:func:`dropout.session_seed`)."""
+    return dropout.seed_random_nodes(seed)

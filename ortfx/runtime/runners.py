@@ -46,13 +46,21 @@ def _input_dims(
     )
 
 
+def session_seed(shell: Shell) -> int:
+    """The seed of the next session's random nodes: torch's CPU generator state, read (a draw
+    would shift the user's stream), and how many sessions this wrapper made before (a re-process
+    must not replay the masks of earlier steps). See docs/runtime.md, Dropout."""
+    state = torch.random.get_rng_state().numpy().tobytes()
+    return passes.session_seed(state, shell.state.stats.sessions)
+
+
 def _session_pipeline(
-    grad: GradState, *, symbolic: bool, sizes: tuple[tuple[int, ...], ...] = ()
+    grad: GradState, *, seed: int, symbolic: bool, sizes: tuple[tuple[int, ...], ...] = ()
 ) -> passes.Pass:
     pipeline = passes.for_session(
         frozenset(i for i, rg in enumerate(grad.inputs) if rg),
         frozenset(n for n, rg in zip(grad.param_names, grad.params, strict=True) if rg),
-        seed=torch.initial_seed(),
+        seed=seed,
         symbolic=symbolic,
         sizes=sizes,
         feed_params_through=memgrad.FUNCTION_NAME if grad.mem_efficient_grad else None,
@@ -114,7 +122,9 @@ def _with_training_runner(
     options = shell.options
     level = options.memory_opt_level
     plans = memory.parse_config(options.memory_opt_config) if level == 0 else ()
-    info = _session_pipeline(call.grad, symbolic=bool(level or plans), sizes=sizes)(compiled.info)
+    info = _session_pipeline(
+        call.grad, seed=session_seed(shell), symbolic=bool(level or plans), sizes=sizes
+    )(compiled.info)
     prefix = logs.save_prefix(options)
     dims = _input_dims(compiled.info, leaves)
 
@@ -158,7 +168,7 @@ def _with_training_runner(
 def with_inference_runner(
     shell: Shell, compiled: Compiled, device: torch.device, call: Call
 ) -> Compiled:
-    info = passes.for_inference(torch.initial_seed())(compiled.info)
+    info = passes.for_inference(session_seed(shell))(compiled.info)
     runner = open_inference(
         info,
         device,
@@ -203,7 +213,10 @@ def memory_report(shell: Shell) -> tuple[tuple[MemoryPlan, ...], Shell]:
             continue
         if compiled.memory is not None:
             return compiled.memory, shell
-        info = _session_pipeline(entry.grad, symbolic=True, sizes=compiled.sizes)(compiled.info)
+        # a probe, never run: its seeds do not matter
+        info = _session_pipeline(entry.grad, seed=0, symbolic=True, sizes=compiled.sizes)(
+            compiled.info
+        )
         probe = open_training(
             info,
             torch.device(entry.session.device),
