@@ -1,13 +1,17 @@
 """First-step latency with the persistent export cache: cold (empty ``cache_dir``) against warm.
 
     python -m bench.first_step --model gpt2-4x256 --rounds 4 --threads 1
+    python -m bench.first_step --against /tmp/before   # another checkout, interleaved
 
 Each run is a fresh process (what a user restarting a training script pays): it builds the
 model, wraps it with ``Options(cache_dir=...)`` and times the first training step (forward,
 loss, backward, AdamW) and the next ``--steps`` steps. Per round: one cold run on a new empty
 directory, then one warm run on the directory the cold run filled; eager runs in the same
-round for reference. ``setup`` = first step - median of the later steps: what the export (or
-the cache load), the gradient build and the session creation add to the first step.
+round for reference. ``setup`` = first step - median of the later steps: what the export (the
+trace, the passes or their cache entry), the gradient build (or its entry) and the session
+creation add to the first step. With ``--against DIR``, each round also runs the cold and warm
+pair of that checkout (its own ``bench.first_step`` worker and cache directory), the two trees'
+order alternating from round to round.
 
 Results go to ``bench/results/first_step-<stamp>.{jsonl,md}``.
 """
@@ -34,12 +38,16 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(ns.threads)
     model, make_batch, loss_fn = build(ns.model, ns.seed)
     seen: list[str] = []
+    grads: list[str] = []
     t_wrap = time.perf_counter()
     if ns.backend == "ortfx":
         import ortfx
         from ortfx.runtime import events
 
         events.listen(lambda name, *args: seen.append(args[0]) if name == "disk_cache" else None)
+        events.listen(
+            lambda name, *args: grads.append(args[0]) if name == "gradient_cache" else None
+        )
         wrapped = ortfx.ORTModule(
             model, options=ortfx.Options(intra_op_threads=ns.threads, cache_dir=ns.cache_dir)
         )
@@ -63,10 +71,18 @@ def worker(ns: argparse.Namespace) -> dict[str, Any]:
         "first_step_s": times[0],
         "step_s": common.median(times[1:]),
         "disk_cache": seen,
+        "gradient_cache": grads,
     }
 
 
-def run(ns: argparse.Namespace, backend: str, cache_dir: str) -> dict[str, Any]:
+def run(
+    ns: argparse.Namespace, backend: str, cache_dir: str, tree: str | None = None
+) -> dict[str, Any]:
+    """One fresh worker process, of this checkout or of ``tree``."""
+    root = common.ROOT if tree is None else tree
+    env = common.thread_env(ns.threads)
+    if tree is not None:  # the other checkout's ortfx and bench, not this one's
+        env["PYTHONPATH"] = tree
     cmd = [
         sys.executable, "-m", "bench.first_step", "--worker", "--backend", backend,
         "--model", ns.model, "--threads", str(ns.threads), "--steps", str(ns.steps),
@@ -74,14 +90,34 @@ def run(ns: argparse.Namespace, backend: str, cache_dir: str) -> dict[str, Any]:
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(
-        cmd, env=common.thread_env(ns.threads), cwd=common.ROOT, capture_output=True, text=True,
-        timeout=900,
+        cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     if proc.returncode:
-        raise SystemExit(f"worker failed ({backend}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"worker failed ({backend}, {root}):\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - t0
     return result
+
+
+def _one(
+    ns: argparse.Namespace,
+    f: Any,
+    kind: str,
+    backend: str,
+    cache_dir: str | None,
+    tree: str | None,
+    rnd: int,
+) -> dict[str, Any]:
+    """One run, written to ``f`` and printed."""
+    directory = cache_dir or tempfile.gettempdir()  # eager never looks at it
+    r = {**run(ns, backend, directory, tree), "kind": kind, "round": rnd}
+    f.write(json.dumps(r) + "\n")
+    print(
+        f"round {rnd} {kind:15s} first {r['first_step_s']:.3f} s  step {r['step_s']:.3f} s  "
+        f"wrap {r['wrap_s']:.3f} s  cache {r['disk_cache']} {r.get('gradient_cache', '')}",
+        flush=True,
+    )
+    return r
 
 
 def parent(ns: argparse.Namespace) -> None:
@@ -93,19 +129,18 @@ def parent(ns: argparse.Namespace) -> None:
     with stem.with_suffix(".jsonl").open("w") as f:
         f.write(json.dumps({"machine": mach, "argv": ns.argv}) + "\n")
         for rnd in range(ns.rounds):
-            cache_dir = tempfile.mkdtemp(prefix="ortfx-first-step-")
-            try:
-                for kind, backend in (("eager", "eager"), ("cold", "ortfx"), ("warm", "ortfx")):
-                    r = {**run(ns, backend, cache_dir), "kind": kind, "round": rnd}
-                    rows.append(r)
-                    f.write(json.dumps(r) + "\n")
-                    print(
-                        f"round {rnd} {kind:5s} first {r['first_step_s']:.3f} s  step "
-                        f"{r['step_s']:.3f} s  wrap {r['wrap_s']:.3f} s  cache {r['disk_cache']}",
-                        flush=True,
-                    )
-            finally:
-                shutil.rmtree(cache_dir, ignore_errors=True)
+            trees: list[tuple[str, str | None]] = [("", None)]
+            if ns.against:
+                trees.append((" (against)", ns.against))
+                trees = trees if rnd % 2 == 0 else trees[::-1]
+            rows.append(_one(ns, f, "eager", "eager", None, None, rnd))
+            for suffix, tree in trees:
+                cache_dir = tempfile.mkdtemp(prefix="ortfx-first-step-")
+                try:
+                    for kind in ("cold", "warm"):
+                        rows.append(_one(ns, f, kind + suffix, "ortfx", cache_dir, tree, rnd))
+                finally:
+                    shutil.rmtree(cache_dir, ignore_errors=True)
     lines = [
         f"# First step with the persistent export cache ({mach['date'][:10]})",
         "",
@@ -121,7 +156,11 @@ def parent(ns: argparse.Namespace) -> None:
         "| run | first step s | later step s | setup s | import ortfx + wrap s | disk cache |",
         "|---|---|---|---|---|---|",
     ]
-    for kind in ("eager", "cold", "warm"):
+    kinds = ["eager", "cold", "warm"]
+    if ns.against:
+        kinds += ["cold (against)", "warm (against)"]
+        lines[4:4] = [f"Against: {ns.against}", ""]
+    for kind in kinds:
         rs = [r for r in rows if r["kind"] == kind]
 
         def stat(vals: list[float]) -> str:
@@ -131,7 +170,21 @@ def parent(ns: argparse.Namespace) -> None:
             f"| {kind} | {stat([r['first_step_s'] for r in rs])} "
             f"| {stat([r['step_s'] for r in rs])} "
             f"| {stat([r['first_step_s'] - r['step_s'] for r in rs])} "
-            f"| {stat([r['wrap_s'] for r in rs])} | {rs[0]['disk_cache']} |"
+            f"| {stat([r['wrap_s'] for r in rs])} "
+            f"| {rs[0]['disk_cache']} {rs[0].get('gradient_cache', '')} |"
+        )
+    for suffix in ("", " (against)") if ns.against else ("",):
+        saved = [
+            cold["first_step_s"] - warm["first_step_s"]
+            for cold, warm in zip(
+                (r for r in rows if r["kind"] == "cold" + suffix),
+                (r for r in rows if r["kind"] == "warm" + suffix),
+                strict=True,
+            )
+        ]
+        lines.append(
+            f"\nPer round, cold - warm first step{suffix}: "
+            f"{', '.join(f'{d:.3f}' for d in saved)} s (median {common.median(saved):.3f} s)."
         )
     table = "\n".join(lines) + "\n"
     stem.with_suffix(".md").write_text(table)
@@ -150,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="results file stem (default: date and time)")
+    p.add_argument("--against", help="another checkout of ortfx, measured in the same rounds")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)

@@ -1,33 +1,46 @@
-"""The persistent export cache: processed graphs on disk, keyed by everything the export reads.
+"""The persistent export cache: what ortfx builds from a traced graph, kept across processes.
 
-``Options(cache_dir=...)`` / ``ORTMODULE_CACHE_DIR``. An entry is what :func:`ortfx.export.export`
-and the ``for_export`` passes produce for one export key; a warm start loads it instead of
-running the torch exporter. The digest covers the call schema, train/eval, the torch.autocast
-dtype, the export options, the module tree (class, class source file, training flag and plain
-attribute values of every submodule; name, shape, dtype and requires_grad of every parameter
-and buffer), the inputs of the ``for_export`` passes, and the versions of torch, onnx, ORT,
-Python and ortfx (its sources included). A module the digest cannot describe safely (a forward
-hook, an attribute with no stable text) is not cached, nor is a graph with PythonOps, values
-the tracer baked in, or a forward that sets attributes of its modules.
+``Options(cache_dir=...)`` / ``ORTMODULE_CACHE_DIR``. Content-addressed, as torch.compile's FX
+graph cache is: every process still traces its module (the trace is what says which graph the
+current code gives), and the expensive artifacts built from the trace are keyed by what they
+are built from:
 
-Entries are pickles: the directory must be trusted, as a ``torch.load`` path. Writes go to a
-temporary file that replaces the entry atomically; an entry that cannot be read or fails its
-checksum is ignored with a WARNING and exported again.
+- the processed graph (the ``for_export`` passes' output) by the traced graph (the ONNX bytes
+  :func:`ortfx.export.export` returns and its record: inputs, outputs, the call's and the
+  output's structure), the passes' own inputs and the export options;
+- ORT's gradient graph of a training session (built by ORT's training layer, then
+  ``for_gradient``) by the session's forward graph and everything the build reads
+  (:func:`cached_gradient`);
+
+both with the versions of torch, onnx, protobuf, ORT, Python and ortfx (its sources and its
+compiled bridge included). A hit cannot serve a graph the current code would not produce:
+whatever the forward reads (globals, helper files, closures, private attributes, tied weights)
+is in what it traced.
+
+An entry is one file: a format line, a SHA-256 of the rest, one line of JSON (plain data,
+decoded into ortfx's own records only) and the ONNX model's bytes. Nothing in it is ever run as
+code. A directory that another user owns, or that its group or everyone may write, is refused
+with a WARNING (the cache is then off), as ssh and pip refuse such files; so is an entry file
+writable by others. Writes go to a temporary file that replaces the entry atomically; an entry
+that cannot be read, fails its checksum or was stored for another digest is ignored with a
+WARNING and built again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import hashlib
 import importlib.metadata
-import inspect
+import json
 import logging
 import os
-import pickle
+import stat
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,40 +48,87 @@ import attrs
 import onnx
 import torch
 
-from ortfx import io
 from ortfx.keys import ExportKey
-from ortfx.model_info import PostExportProcessedModelInfo
+from ortfx.model_info import (
+    Guard,
+    InputKind,
+    InputSpec,
+    PostExportProcessedModelInfo,
+    Update,
+)
+from ortfx.runtime import events
 from ortfx.runtime.logs import WrapperLog
+from ortfx.schema import ModelSchema
 
-# Bump when the stored record or the digest text changes meaning.
-FORMAT = b"ortfx-export-cache 2\n"
+# Bump when an entry's layout or the digest's text changes meaning.
+FORMAT = b"ortfx-export-cache 3\n"
 
-CACHE_HIT = "export cache hit: %s (no export)"
-CACHE_MISS = "export cache miss: %s (exporting)"
+CACHE_HIT = "export cache hit: %s (the traced graph's processing skipped)"
+CACHE_MISS = "export cache miss: %s (processing the traced graph)"
 CACHE_STORED = "export cache: stored %s (%d KB)"
 CACHE_SKIPPED = "export cache not used: %s"
-CACHE_CORRUPT = "export cache: ignoring unreadable entry %s (%s); exporting again"
-CACHE_WRITE_FAILED = "export cache: could not store %s (%s); the next start exports again"
+GRADIENT_HIT = "export cache hit: %s (ORT's gradient build skipped)"
+GRADIENT_MISS = "export cache miss: %s (building ORT's gradient graph)"
+GRADIENT_SKIPPED = "export cache: ORT's gradient graph not cached: %s"
+CACHE_CORRUPT = "export cache: ignoring unreadable entry %s (%s); building it again"
+CACHE_WRITE_FAILED = "export cache: could not store %s (%s); the next start builds it again"
+CACHE_UNTRUSTED = (
+    "export cache off: the directory %s %s; ortfx reads and writes cache entries only where "
+    "no other user can place them (a directory this user owns, chmod go-w)"
+)
 
 
-@attrs.frozen
-class Entry:
-    """What one cache file holds."""
-
-    info: PostExportProcessedModelInfo
-    checkpoint_calls: int
+class Uncacheable(Exception):
+    """The traced graph's record has no stable plain-data form; the text says why."""
 
 
 @attrs.frozen
 class Slot:
-    """Where the entry for one export key lives, or why the key cannot be cached."""
+    """Where the entry for one traced graph lives, and the digest it must carry."""
 
-    path: Path | None
-    refused: str = ""
+    path: Path
+    digest: str
 
 
-class Uncacheable(Exception):
-    """The digest cannot describe the module safely; the text says why."""
+# ---- the directory: refused unless only this user can write it -------------------------------
+
+
+def refusal(status: os.stat_result, uid: int) -> str:
+    """Why a directory (or entry) with ``status`` must not be trusted by user ``uid``; "" if
+    it may be. Pure: tests give it any owner."""
+    if status.st_uid != uid:
+        return f"is owned by another user (uid {status.st_uid}, this process runs as uid {uid})"
+    if status.st_mode & stat.S_IWOTH:
+        return f"is writable by every user (mode {stat.filemode(status.st_mode)})"
+    if status.st_mode & stat.S_IWGRP:
+        return f"is writable by its group (mode {stat.filemode(status.st_mode)})"
+    return ""
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def trusted(directory: str, log: WrapperLog, *, create: bool = False) -> bool:
+    """Whether ``directory`` may be read and written; once per directory and problem, a
+    WARNING says why not. A missing one is created (``create``) for this user alone."""
+    path = Path(directory)
+    try:
+        if create:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = refusal(path.stat(), os.geteuid())
+    except FileNotFoundError:
+        return True  # nothing to read yet; store() creates it
+    except OSError as e:
+        problem = f"cannot be used ({e.strerror or type(e).__name__})"
+    if not problem:
+        return True
+    with _warned_lock:
+        first = (directory, problem) not in _warned
+        _warned.add((directory, problem))
+    if first:
+        log.log(logging.WARNING, CACHE_UNTRUSTED, directory, problem)
+    return False
 
 
 # ---- the digest --------------------------------------------------------------------------------
@@ -76,197 +136,371 @@ class Uncacheable(Exception):
 
 @functools.cache
 def _ortfx_sources() -> str:
-    """Digest of ortfx's own sources: a development checkout changes without a version bump."""
+    """Digest of ortfx's own sources (a development checkout changes without a version bump)
+    and of its compiled bridge, whose presence decides which kernels graphs run in torch."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for path in sorted([*root.rglob("*.py"), *root.glob("*.cpp")]):
+    for path in sorted([*root.rglob("*.py"), *root.glob("*.cpp"), *root.glob("*.so")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
 
-def _ortfx_version() -> str:
+def _version(distribution: str) -> str:
     try:
-        return importlib.metadata.version("ortfx")
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
 
 @functools.cache
-def _file_digest(filename: str) -> str:
-    try:
-        return hashlib.sha256(Path(filename).read_bytes()).hexdigest()
-    except OSError as e:
-        raise Uncacheable(f"cannot read the source file {filename} ({e.strerror})") from None
+def _versions() -> str:
+    # ORT imported here: ortfx imports without onnxruntime (the version matters with a cache).
+    import onnxruntime
+
+    return (
+        f"torch {torch.__version__}, onnx {onnx.__version__}, protobuf "
+        f"{_version('protobuf')}, onnxruntime {onnxruntime.__version__}, python "
+        f"{sys.version.split()[0]}, ortfx {_version('ortfx')} sources {_ortfx_sources()}"
+    )
 
 
-def _code_of(obj: Any) -> str:
-    """A class's or function's qualified name and the digest of the file that defines it;
-    torch's own code is covered by torch's version."""
-    name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
-    if name.startswith("torch."):
-        return name
-    try:
-        filename = inspect.getsourcefile(obj)
-    except TypeError:
-        filename = None
-    if filename is None:
-        raise Uncacheable(f"{name} has no source file to key on")
-    return f"{name}@{_file_digest(filename)}"
+# The records an entry's JSON may name, and nothing else: decoding builds only these.
+_RECORDS: dict[str, type] = {"Guard": Guard, "InputSpec": InputSpec, "Update": Update}
+_ENUMS: dict[str, type[enum.Enum]] = {"InputKind": InputKind}
+# Taken from this process's trace, never from an entry: the passes do not change them.
+_TRACED_FIELDS = ("input_schema", "output_schema")
+# The fields an entry's record holds: all but those and the model's bytes.
+_RECORD_FIELDS = frozenset(
+    f.name
+    for f in attrs.fields(PostExportProcessedModelInfo)
+    if f.name != "model" and f.name not in _TRACED_FIELDS
+)
 
 
-_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+def _encode(value: Any) -> Any:
+    """Plain JSON data for a field value; raises :class:`Uncacheable` for anything else."""
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        return {"float": repr(value)}  # exact, nan and inf included
+    if kind is tuple:
+        return [_encode(v) for v in value]
+    if kind is frozenset:
+        return {"frozenset": sorted((_encode(v) for v in value), key=json.dumps)}
+    if _ENUMS.get(kind.__name__) is kind:
+        return {"enum": kind.__name__, "name": value.name}
+    if _RECORDS.get(kind.__name__) is kind:
+        fields = {f.name: _encode(getattr(value, f.name)) for f in attrs.fields(kind)}
+        return {"record": kind.__name__, "fields": fields}
+    raise Uncacheable(f"the graph's record holds a {kind.__qualname__}, which has no plain form")
 
 
-def _value_text(where: str, value: Any) -> str:
-    """A stable text for an attribute the forward may read; raises when there is none."""
-    if isinstance(value, _PLAIN):
-        return f"{type(value).__name__}:{value!r}"
-    if isinstance(value, (tuple, list, frozenset, set)):
-        items = [_value_text(where, v) for v in value]
-        if isinstance(value, (set, frozenset)):
-            items = sorted(items)
-        return f"{type(value).__name__}({', '.join(items)})"
-    if isinstance(value, dict):
-        items = [f"{k!r}: {_value_text(where, v)}" for k, v in value.items()]
-        return "{" + ", ".join(items) + "}"
-    if isinstance(value, torch.Tensor):  # a plain tensor attribute is baked in as a constant
-        data = value.detach().cpu().contiguous()
-        h = hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-        return f"tensor({data.dtype}, {tuple(data.shape)}, {h.hexdigest()})"
-    if inspect.isfunction(value) or inspect.isclass(value) or inspect.ismethod(value):
-        return _code_of(value)
-    text = repr(value)
-    if " at 0x" in text or " object at " in text:
-        raise Uncacheable(f"{where} is a {type(value).__qualname__} without a stable description")
-    return f"{_code_of(type(value))}:{text}"
+def _decode(data: Any) -> Any:
+    """The value :func:`_encode` gave ``data`` for; raises (ValueError, KeyError) on anything
+    else: only plain values and the records and enums named above are ever built."""
+    if data is None or type(data) in (bool, int, str):
+        return data
+    if type(data) is list:
+        return tuple(_decode(v) for v in data)
+    if type(data) is dict and data.keys() == {"float"}:
+        return float(data["float"])
+    if type(data) is dict and data.keys() == {"frozenset"}:
+        return frozenset(_decode(v) for v in data["frozenset"])
+    if type(data) is dict and data.keys() == {"enum", "name"}:
+        return _ENUMS[data["enum"]][data["name"]]
+    if type(data) is dict and data.keys() == {"record", "fields"}:
+        cls = _RECORDS[data["record"]]
+        fields = data["fields"]
+        if type(fields) is not dict or set(fields) != {f.name for f in attrs.fields(cls)}:
+            raise ValueError(f"a {data['record']} with fields {sorted(fields)}")
+        return cls(**{k: _decode(v) for k, v in fields.items()})
+    raise ValueError(f"unexpected {type(data).__name__} in the record")
 
 
-def _module_lines(module: torch.nn.Module) -> Iterator[str]:
-    from ortfx._torch import hook_tables
+def _record(info: PostExportProcessedModelInfo) -> dict[str, Any]:
+    """``info``'s fields as plain data, but the model bytes and the call's structures."""
+    return {name: _encode(getattr(info, name)) for name in sorted(_RECORD_FIELDS)}
 
-    if any(hook_tables(None)[:2]):  # forward pre-hooks, forward hooks
-        raise Uncacheable("a global forward hook is registered")
-    for name, sub in module.named_modules(remove_duplicate=False):
-        where = name or "<root>"
-        if any(hook_tables(sub)[:2]):
-            raise Uncacheable(f"{where} has forward hooks")
-        yield f"module {where}: {_code_of(type(sub))} training={sub.training}"
-        for key, value in sorted(vars(sub).items()):
-            if key.startswith("_") or key == "training":
-                continue  # torch's own bookkeeping (parameters, buffers, hooks, ...)
-            yield f"  {key} = {_value_text(f'{where}.{key}', value)}"
-    for name, p in module.named_parameters(remove_duplicate=False):
-        yield f"param {name}: {p.dtype} {tuple(p.shape)} requires_grad={p.requires_grad}"
-    for name, b in module.named_buffers(remove_duplicate=False):
-        yield f"buffer {name}: {b.dtype} {tuple(b.shape)}"
+
+def _schema_text(name: str, schema: ModelSchema) -> str:
+    text = f"{schema.treespec!r} {schema.leaves!r}"
+    if " at 0x" in text:
+        raise Uncacheable(f"the {name} holds a node without a stable description")
+    return text
 
 
 def key_text(
-    module: torch.nn.Module,
+    traced: PostExportProcessedModelInfo,
     key: ExportKey,
     padding: Mapping[str, int],
     dynamic_scalars: frozenset[str],
 ) -> str:
-    """Everything the export and the ``for_export`` passes read, as text (the digest's input).
-    Raises :class:`Uncacheable` when part of it has no stable text."""
-    treespec = repr(key.schema.treespec)
-    if " at 0x" in treespec:
-        raise Uncacheable("the input tree holds a node without a stable description")
+    """What the ``for_export`` passes read, as text (the digest's input): the traced graph and
+    its record, the passes' own inputs, options and versions. Raises :class:`Uncacheable`
+    when part of it has no stable text."""
     lines = [
         FORMAT.decode().strip(),
-        f"versions: torch {torch.__version__}, onnx {onnx.__version__}, "
-        f"onnxruntime {_ort_version()}, python {sys.version.split()[0]}, "
-        f"ortfx {_ortfx_version()} sources {_ortfx_sources()}",
+        f"versions: {_versions()}",
         f"mode: {'training' if key.training else 'eval'}",
-        f"autocast: {key.autocast or 'off'}",
-        f"options: {key.options!r}",
-        f"default dtype: {torch.get_default_dtype()}",
-        f"schema: {treespec} {key.schema.leaves!r}",
+        f"export options: {key.options!r}",
+        f"call: {_schema_text('call', traced.input_schema)}",
+        f"output: {_schema_text('output', traced.output_schema)}",
+        f"record: {json.dumps(_record(traced), sort_keys=True)}",
+        f"graph: {hashlib.sha256(traced.model).hexdigest()} ({len(traced.model)} bytes)",
         f"embedding padding: {sorted(padding.items())!r}",
         f"dynamic scalars: {sorted(dynamic_scalars)!r}",
-        *_module_lines(module),
     ]
     return "\n".join(lines)
 
 
 def slot(
     directory: str,
-    module: torch.nn.Module,
+    name: str,
+    traced: PostExportProcessedModelInfo,
     key: ExportKey,
     padding: Mapping[str, int],
     dynamic_scalars: frozenset[str],
 ) -> Slot:
-    """The entry's path under ``directory`` for this key (or why there is none)."""
-    try:
-        text = key_text(module, key, padding, dynamic_scalars)
-    except Uncacheable as e:
-        return Slot(None, str(e))
+    """Where the processed form of the ``traced`` graph lives under ``directory`` (``name``:
+    the module's class, for people reading the directory)."""
+    text = key_text(traced, key, padding, dynamic_scalars)
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
     mode = "train" if key.training else "eval"
-    return Slot(Path(directory) / f"{type(module).__name__}-{mode}-{digest}.ortfx")
+    return Slot(Path(directory) / f"{name}-{mode}-{digest}.ortfx", digest)
+
+
+# ---- ORT's gradient graphs ---------------------------------------------------------------------
+
+
+@attrs.frozen
+class Gradient:
+    """ORT's gradient graph of one forward graph (after ``for_gradient``) and what ORT's
+    builder said about it: the plain data a training session is opened with."""
+
+    model: bytes = attrs.field(repr=lambda b: f"<{len(b)} bytes>")
+    user_input_names: tuple[str, ...]
+    initializer_names: tuple[str, ...]
+    forward_outputs: int  # the forward's user outputs and the values kept for backward
+    non_differentiable: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    saved_outputs: tuple[int, ...]
+    # Inputs that require grad but reach no output: left out of the build.
+    unreachable: tuple[str, ...] = ()
+    # Guard outputs ORT folded to constants (static sizes): ortfx puts them back.
+    folded: tuple[str, ...] = ()
+    # Why the build went without ORT's compute optimizer, when it failed with it.
+    compute_optimizer_failure: str | None = None
+
+
+def gradient_slot(directory: str, forward: bytes, settings: Mapping[str, object]) -> Slot:
+    """Where ORT's gradient graph of the ``forward`` graph (a training session's, after the
+    ``for_session`` passes) lives, built with ``settings`` (the builder's configuration, the
+    options and process facts ``for_gradient`` reads)."""
+    lines = [
+        FORMAT.decode().strip(),
+        f"versions: {_versions()}",
+        "kind: gradient",
+        f"forward graph: {hashlib.sha256(forward).hexdigest()} ({len(forward)} bytes)",
+        *(f"{name}: {value!r}" for name, value in sorted(settings.items())),
+    ]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
+    return Slot(Path(directory) / f"gradient-{digest}.ortfx", digest)
+
+
+def cached_gradient(
+    directory: str,
+    forward: bytes,
+    settings: Mapping[str, object],
+    build: Callable[[], Gradient],
+    log: WrapperLog,
+    *,
+    refused: str = "",
+    off: bool = False,
+) -> Gradient:
+    """ORT's gradient graph of ``forward``: from ``directory`` when it holds it, else built
+    and stored. Not cached with no ``directory``, when ``off``, or when ``refused`` (logged)."""
+    if not directory or off:
+        return build()
+    if refused:
+        log.log(logging.INFO, GRADIENT_SKIPPED, refused)
+        return build()
+    if not trusted(directory, log):
+        events.emit("gradient_cache", "untrusted", directory)
+        return build()
+    entry = gradient_slot(directory, forward, settings)
+    found = load_gradient(entry, log)
+    if found is not None:
+        log.log(logging.INFO, GRADIENT_HIT, entry.path)
+        events.emit("gradient_cache", "hit", entry.path)
+        return found
+    log.log(logging.INFO, GRADIENT_MISS, entry.path)
+    events.emit("gradient_cache", "miss", entry.path)
+    gradient = build()
+    store_gradient(entry, gradient, log)
+    return gradient
+
+
+def _gradient_record(gradient: Gradient) -> dict[str, Any]:
+    return {
+        f.name: list(value) if type(value := getattr(gradient, f.name)) is tuple else value
+        for f in attrs.fields(Gradient)
+        if f.name != "model"
+    }
+
+
+def _gradient_from(record: dict[str, Any], model: bytes) -> Gradient:
+    """The gradient an entry's record describes; raises ValueError unless every field has
+    its plain type."""
+    fields = {f.name: f for f in attrs.fields(Gradient) if f.name != "model"}
+    if record.keys() != fields.keys():
+        raise ValueError("a record with other fields")
+    values: dict[str, Any] = {}
+    for name, value in record.items():
+        if name == "forward_outputs":
+            ok = type(value) is int
+        elif name == "compute_optimizer_failure":
+            ok = value is None or type(value) is str
+        else:
+            kind = (
+                str
+                if name in ("user_input_names", "initializer_names", "unreachable", "folded")
+                else int
+            )
+            ok = type(value) is list and all(type(v) is kind for v in value)
+            value = tuple(value) if ok else value
+        if not ok:
+            raise ValueError(f"{name} is not plain data of its kind")
+        values[name] = value
+    return Gradient(model=model, **values)
+
+
+def load_gradient(entry: Slot, log: WrapperLog) -> Gradient | None:
+    """The gradient ``entry`` holds; None when there is none, or it cannot be trusted or read
+    (with a WARNING)."""
+    found = _read(entry, log)
+    if found is None:
+        return None
+    try:
+        return _gradient_from(*found)
+    except Exception as e:
+        log.log(logging.WARNING, CACHE_CORRUPT, entry.path, str(e) or type(e).__name__)
+        return None
+
+
+def store_gradient(entry: Slot, gradient: Gradient, log: WrapperLog) -> None:
+    _write(entry, _gradient_record(gradient), gradient.model, log)
 
 
 # ---- reading and writing -----------------------------------------------------------------------
 
 
-def load(path: Path, log: WrapperLog) -> Entry | None:
-    """The entry at ``path``; None when there is none or it cannot be read (with a WARNING)."""
+def _pack(digest: str, record: dict[str, Any], model: bytes) -> bytes:
+    header = json.dumps({"digest": digest, "record": record}, sort_keys=True).encode()
+    body = header + b"\n" + model
+    return FORMAT + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+
+
+def _unpack(data: bytes, digest: str) -> tuple[dict[str, Any], bytes]:
+    """An entry's record and model bytes; raises ValueError (or any decoding error) when it
+    is not a whole entry for ``digest``."""
+    if not data.startswith(FORMAT):
+        raise ValueError("not an ortfx cache file of this format")
+    checksum, body = data[len(FORMAT) :].split(b"\n", 1)
+    if hashlib.sha256(body).hexdigest().encode() != checksum:
+        raise ValueError("checksum mismatch")
+    header, model = body.split(b"\n", 1)
+    parsed = json.loads(header)
+    if type(parsed) is not dict or parsed.keys() != {"digest", "record"}:
+        raise ValueError("not an entry record")
+    if parsed["digest"] != digest:
+        raise ValueError(f"an entry for another graph ({parsed['digest']})")
+    if type(parsed["record"]) is not dict:
+        raise ValueError("not an entry record")
+    return parsed["record"], model
+
+
+def _processed_from(
+    record: dict[str, Any], model: bytes, traced: PostExportProcessedModelInfo
+) -> PostExportProcessedModelInfo:
+    """The processed graph an entry's record describes, on top of ``traced``."""
+    if record.keys() != _RECORD_FIELDS:
+        raise ValueError("a record with other fields")
+    info = attrs.evolve(traced, model=model, **{k: _decode(v) for k, v in record.items()})
+    graph = onnx.load_model_from_string(model).graph
+    names = ([v.name for v in graph.input], [v.name for v in graph.output])
+    if names != ([i.name for i in info.inputs], list(info.output_names)):
+        raise ValueError("its graph's inputs or outputs differ from its record")
+    return info
+
+
+def _read(entry: Slot, log: WrapperLog) -> tuple[dict[str, Any], bytes] | None:
+    """The record and model bytes ``entry`` holds; None when there is none, or it cannot be
+    trusted or read (with a WARNING)."""
     try:
-        data = path.read_bytes()
+        with open(entry.path, "rb") as f:
+            problem = refusal(os.fstat(f.fileno()), os.geteuid())
+            data = b"" if problem else f.read()
     except FileNotFoundError:
         return None
     except OSError as e:
-        log.log(logging.WARNING, CACHE_CORRUPT, path, e.strerror or type(e).__name__)
+        log.log(logging.WARNING, CACHE_CORRUPT, entry.path, e.strerror or type(e).__name__)
+        return None
+    if problem:
+        log.log(logging.WARNING, CACHE_CORRUPT, entry.path, f"the file {problem}")
         return None
     try:
-        header, checksum, payload = data.split(b"\n", 2)
-        if header + b"\n" != FORMAT:
-            raise ValueError("not an ortfx cache file of this format")
-        if hashlib.sha256(payload).hexdigest().encode() != checksum:
-            raise ValueError("checksum mismatch")
-        # The container types of the call and output specs first: optree unpickles a spec only
-        # when its node types are registered in this process.
-        types, body = pickle.loads(payload)
-        io.register_types(types)
-        entry = pickle.loads(body)
-        if not isinstance(entry, Entry):
-            raise ValueError(f"holds a {type(entry).__name__}")
-    except Exception as e:  # any damage at all: re-export instead of failing the call
-        log.log(logging.WARNING, CACHE_CORRUPT, path, str(e) or type(e).__name__)
+        return _unpack(data, entry.digest)
+    except Exception as e:  # any damage at all: build again instead of failing the call
+        log.log(logging.WARNING, CACHE_CORRUPT, entry.path, str(e) or type(e).__name__)
         return None
-    return entry
 
 
-def store(path: Path, entry: Entry, log: WrapperLog) -> None:
-    """Write ``entry`` atomically: a reader sees the old file, no file, or the whole new one."""
-    body = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
-    payload = pickle.dumps((io.registered_types(), body), protocol=pickle.HIGHEST_PROTOCOL)
-    data = FORMAT + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+def load(
+    entry: Slot, traced: PostExportProcessedModelInfo, log: WrapperLog
+) -> PostExportProcessedModelInfo | None:
+    """The processed form of ``traced`` that ``entry`` holds; None when there is none, or it
+    cannot be trusted or read (with a WARNING)."""
+    found = _read(entry, log)
+    if found is None:
+        return None
+    try:
+        return _processed_from(*found, traced)
+    except Exception as e:
+        log.log(logging.WARNING, CACHE_CORRUPT, entry.path, str(e) or type(e).__name__)
+        return None
+
+
+def store(entry: Slot, info: PostExportProcessedModelInfo, log: WrapperLog) -> None:
+    """Store the processed graph ``info``. Raises :class:`Uncacheable` when its record has no
+    plain form."""
+    _write(entry, _record(info), info.model, log)
+
+
+def _write(entry: Slot, record: dict[str, Any], model: bytes, log: WrapperLog) -> None:
+    """Write atomically: a reader sees the old file, no file, or the whole new one."""
+    data = _pack(entry.digest, record, model)
+    if not trusted(str(entry.path.parent), log, create=True):
+        return
     temp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        fd, temp = tempfile.mkstemp(
+            dir=entry.path.parent, prefix=f".{entry.path.name}.", suffix=".tmp"
+        )
+        with os.fdopen(fd, "wb") as f:  # mkstemp's mode: only this user reads or writes
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, path)
+        os.replace(temp, entry.path)
     except OSError as e:
         if temp is not None:
             _unlink(temp)
-        log.log(logging.WARNING, CACHE_WRITE_FAILED, path, e.strerror or type(e).__name__)
+        log.log(logging.WARNING, CACHE_WRITE_FAILED, entry.path, e.strerror or type(e).__name__)
         return
-    log.log(logging.INFO, CACHE_STORED, path, len(data) // 1024)
+    log.log(logging.INFO, CACHE_STORED, entry.path, len(data) // 1024)
 
 
 def _unlink(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-def _ort_version() -> str:
-    # Imported here: ortfx imports without onnxruntime (the version only matters with a cache).
-    import onnxruntime
-
-    return str(onnxruntime.__version__)

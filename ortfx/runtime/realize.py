@@ -12,7 +12,6 @@ import inspect
 import logging
 from typing import Any
 
-import attrs
 import torch
 
 from ortfx import module_state, passes
@@ -22,8 +21,6 @@ from ortfx.errors import (
     OrtfxTorchModelError,
 )
 from ortfx.export import (
-    BRANCH,
-    Exported,
     export,
 )
 from ortfx.keys import Call, Decision, Reexport, Reuse, Transition, decision_name
@@ -133,9 +130,6 @@ def _export(
         _refuse_layerdrop(module)
     padding = _embedding_padding(module)
     dynamic = frozenset(shell.options.dynamic_scalars)
-    cached = _from_disk_cache(shell, module, call, padding, dynamic)
-    if isinstance(cached, PostExportProcessedModelInfo):
-        return cached, Timings(), Traced()
     # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
     with partitioned.gathered_for_export(module):
@@ -164,17 +158,14 @@ def _export(
                 first=exported.tracer_warnings[0].removeprefix("branch: "),
             )
         )
-    info = passes.for_export(padding, dynamic)(exported.info)
+    cached = _from_disk_cache(shell, module, call, exported.info, padding, dynamic)
+    if isinstance(cached, PostExportProcessedModelInfo):
+        info = cached
+    else:
+        info = passes.for_export(padding, dynamic)(exported.info)
+        if cached is not None:
+            _to_disk_cache(log, cached, info)
     events.emit("export", info)
-    if cached is not None:
-        _to_disk_cache(
-            log,
-            cached,
-            exported,
-            info,
-            dynamic_scalars=bool(shell.options.dynamic_scalars),
-            writes=bool(writes),
-        )
     prefix = logs.save_prefix(shell.options)
     mode = "training" if call.key.training else "inference"
     logs.save_onnx(prefix, "torch_exported", mode, exported.info.model)
@@ -194,69 +185,43 @@ def _from_disk_cache(
     shell: Shell,
     module: torch.nn.Module,
     call: Call,
+    traced: PostExportProcessedModelInfo,
     padding: dict[str, int],
     dynamic: frozenset[str],
 ) -> PostExportProcessedModelInfo | disk_cache.Slot | None:
-    """The graph from ``Options.cache_dir`` if it holds this key's entry; else where to store
-    it (None: no cache, or this key cannot be cached)."""
-    if not shell.options.cache_dir:
+    """The processed form of the ``traced`` graph from ``Options.cache_dir`` if it holds one;
+    else where to store it (None: no cache, or this graph cannot be cached)."""
+    directory = shell.options.cache_dir
+    if not directory:
         return None
     log = shell.log
-    slot = disk_cache.slot(shell.options.cache_dir, module, call.key, padding, dynamic)
-    if slot.path is None:
-        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, slot.refused)
+    if not disk_cache.trusted(directory, log):
+        events.emit("disk_cache", "untrusted", directory)
         return None
-    entry = disk_cache.load(slot.path, log)
-    if entry is None:
+    try:
+        slot = disk_cache.slot(directory, type(module).__name__, traced, call.key, padding, dynamic)
+    except disk_cache.Uncacheable as e:
+        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, e)
+        return None
+    info = disk_cache.load(slot, traced, log)
+    if info is None:
         log.log(logging.INFO, disk_cache.CACHE_MISS, slot.path)
         events.emit("disk_cache", "miss", slot.path)
         return slot
     log.log(logging.INFO, disk_cache.CACHE_HIT, slot.path)
     events.emit("disk_cache", "hit", slot.path)
-    if entry.checkpoint_calls:
-        logs.checkpoint_calls(log, entry.checkpoint_calls, shell.options.memory_opt_level)
-    # This call's schema: its requires_grad flags and root are not part of the digest.
-    return attrs.evolve(entry.info, input_schema=call.key.schema)
+    return info
 
 
 def _to_disk_cache(
-    log: WrapperLog,
-    slot: disk_cache.Slot,
-    exported: Exported,
-    info: PostExportProcessedModelInfo,
-    *,
-    dynamic_scalars: bool,
-    writes: bool = False,
+    log: WrapperLog, slot: disk_cache.Slot, info: PostExportProcessedModelInfo
 ) -> None:
-    # Correctness first: a PythonOp names a Python class whose code the digest does not cover;
-    # a branch on tensor values or a Python number taken from a tensor came from this run's
-    # tensors, not from the key. Values computed from sizes (transformers' mask code) are as
-    # safe here as in the in-memory cache, which reuses the graph for every size.
-    branches = [w for w in exported.tracer_warnings if w.startswith(BRANCH)]
-    refused = (
-        f"the graph runs custom autograd Functions ({', '.join(exported.custom_functions)})"
-        if exported.custom_functions
-        else "the graph returns Python numbers computed from tensors"
-        if exported.numbers_from_tensors
-        else "the module reads torch.is_grad_enabled(), so the graph depends on grad mode"
-        if exported.reads_grad_mode
-        else "the forward reads requires_grad of its inputs or parameters"
-        if exported.reads_grad_flags
-        else f"the tracer baked in a branch on tensor values ({branches[0]})"
-        if branches
-        else "the tracer baked in values while scalars are fed as tensors (dynamic_scalars)"
-        if exported.tracer_warnings and dynamic_scalars
-        # A warm start would skip the forward's Python, and with it the exporting call's
-        # writes and the WARNING that names them.
-        else "the forward sets attributes of its modules"
-        if writes
-        else ""
-    )
-    if refused:
-        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, refused)
-        return
-    assert slot.path is not None
-    disk_cache.store(slot.path, disk_cache.Entry(info, exported.checkpoint_calls), log)
+    """Store the processed graph; the next process that traces the same graph skips the
+    passes. Every traced graph is safe to store: the key is what was traced."""
+    try:
+        disk_cache.store(slot, info, log)
+    except disk_cache.Uncacheable as e:
+        log.log(logging.INFO, disk_cache.CACHE_SKIPPED, e)
 
 
 def _embedding_padding(module: torch.nn.Module) -> dict[str, int]:

@@ -24,9 +24,10 @@ from ortfx.errors import (
 from ortfx.function_names import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import LogLevel, Options
-from ortfx.runtime import memgrad, pythonop
+from ortfx.runtime import disk_cache, memgrad, pythonop
 from ortfx.runtime.dlpack import to_ort, to_torch
 from ortfx.runtime.failures import build_failed, check_not_empty, feed_error, first_line, run_failed
+from ortfx.runtime.logs import wrapper_log
 from ortfx.runtime.ort import C, providers_for, require_ort
 from ortfx.runtime.session import (
     builder_optimized_is_enough,
@@ -360,8 +361,6 @@ def _open_training(
     mode: str,
     probe: bool,
 ) -> TrainingRunner:
-    from ortfx import passes
-
     pythonop.prepare(functions)
     install_aten(info.model)
     aten.install_standard_gradients()  # gradients ORT lacks for standard ops (Atan)
@@ -376,6 +375,101 @@ def _open_training(
     verbose = options.log_level <= LogLevel.VERBOSE  # ORT's own log, as in session_options
     config.loglevel = C.Severity.VERBOSE if verbose else C.Severity.ERROR
     pre_grad = f"{save_prefix}_optimized_pre_grad_{mode}.onnx" if save_prefix else None
+    # The persistent cache keys ORT's gradient graph on everything its build reads; not with
+    # PythonOps (ORT's build may call their Python) nor when the build saves a file.
+    gradient = disk_cache.cached_gradient(
+        options.cache_dir,
+        info.model,
+        {
+            "initializers": tuple(config.initializer_names),
+            "to train": tuple(config.initializer_names_to_train),
+            "inputs requiring grad": tuple(config.input_names_require_grad),
+            "compute optimizer": options.enable_compute_optimizer,
+            "fed params": bool(info.fed_params),
+            "layerwise": options.zero3_layerwise,
+            "device": device.type,
+        },
+        lambda: _gradient(info, config, options, pre_grad),
+        wrapper_log(options.log_level),
+        refused="the graph calls Python (PythonOp nodes), which its build may run"
+        if functions
+        else "",
+        off=bool(pre_grad),
+    )
+    gradient_build_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    if save_prefix:
+        with open(f"{save_prefix}_optimized_{mode}.onnx", "wb") as f:
+            f.write(gradient.model)
+    with executed_model(save_prefix, mode, bool(info.fed_params)) as executed:
+        session = open_session(
+            gradient.model,
+            device,
+            options,
+            training=True,
+            deterministic=deterministic,
+            optimized_path=executed,
+            memory=memory,
+            graph_optimizations=not builder_optimized_is_enough(info, device, memory, probe),
+        )
+        owned = _owned_gradients(executed) if info.fed_params else frozenset()
+    feeds = [*gradient.user_input_names, *gradient.initializer_names]
+    ours = [i.name for i in info.inputs]
+    if feeds != ours:
+        raise OrtfxInitError(
+            f"ORT orders the graph inputs as {feeds}, ortfx as {ours}; "
+            "this is an ortfx bug, please report it."
+        )
+    fetches = [o.name for o in session.get_outputs()]
+    # ORT numbers the outputs it kept; ortfx's numbering has the folded guards too.
+    kept = [k for k, name in enumerate(info.output_names) if name not in gradient.folded]
+    constants = {
+        k: _guard_constant(info, k, device)
+        for k, name in enumerate(info.output_names)
+        if name in gradient.folded
+    }
+    _, ort_device = providers_for(device)
+    # The device lists must match ORT's own counts exactly: a short list aborts the process.
+    n_forward = gradient.forward_outputs
+    agent = C.TrainingAgent(
+        session._sess, feeds, [ort_device] * n_forward, fetches, [ort_device] * len(fetches), 0
+    )
+    return TrainingRunner(
+        info=info,
+        session=session,
+        agent=agent,
+        gradient_build_seconds=gradient_build_seconds,
+        session_seconds=time.perf_counter() - start,
+        non_differentiable=frozenset(
+            {kept[k] for k in gradient.non_differentiable} | set(constants)
+        ),
+        full_shape=frozenset(kept[k] for k in gradient.full_shape),
+        saved_outputs=tuple(kept[k] for k in gradient.saved_outputs),
+        constants=tuple(sorted(constants.items())),
+        grad_slots=tuple(
+            k
+            for k, spec in enumerate(info.inputs)
+            if spec.requires_grad and spec.name not in gradient.unreachable
+        ),
+        guarded_inputs=_guarded_inputs(info),
+        user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
+        python_ops=bool(functions),
+        compute_optimizer_failure=gradient.compute_optimizer_failure,
+        releases_torch_threads=releases_torch_threads(options, device),
+        trigger_slot=next(
+            (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
+        ),
+        owned_grads=owned,
+    )
+
+
+def _gradient(
+    info: PostExportProcessedModelInfo, config: Any, options: Options, pre_grad: str | None
+) -> disk_cache.Gradient:
+    """ORT's gradient graph of ``info``'s graph, after ``for_gradient``."""
+    from ortfx import passes
+
     failure: str | None = None
     n_outputs = len(info.output_names)
     guard_outputs = frozenset(info.output_names[n_outputs - len(info.guards) :])
@@ -395,78 +489,22 @@ def _open_training(
             raise build_failed(info.model, again) from again
     builder, unreachable = built.builder, built.unreachable
     gi = builder.get_graph_info()
-    gradient_model: bytes = builder.get_gradient_model()
-    gradient_model = passes.for_gradient(
-        gradient_model,
-        fed_params=bool(info.fed_params),
-        forward=info.model,
-        layerwise=options.zero3_layerwise,
-    )
-    gradient_build_seconds = time.perf_counter() - start
-
-    start = time.perf_counter()
-    if save_prefix:
-        with open(f"{save_prefix}_optimized_{mode}.onnx", "wb") as f:
-            f.write(gradient_model)
-    with executed_model(save_prefix, mode, bool(info.fed_params)) as executed:
-        session = open_session(
-            gradient_model,
-            device,
-            options,
-            training=True,
-            deterministic=deterministic,
-            optimized_path=executed,
-            memory=memory,
-            graph_optimizations=not builder_optimized_is_enough(info, device, memory, probe),
-        )
-        owned = _owned_gradients(executed) if info.fed_params else frozenset()
-    feeds = [*gi.user_input_names, *gi.initializer_names]
-    ours = [i.name for i in info.inputs]
-    if feeds != ours:
-        raise OrtfxInitError(
-            f"ORT orders the graph inputs as {feeds}, ortfx as {ours}; "
-            "this is an ortfx bug, please report it."
-        )
-    fetches = [o.name for o in session.get_outputs()]
-    kept = [k for k, name in enumerate(info.output_names) if name not in built.folded]
-    constants = {
-        k: _guard_constant(info, k, device)
-        for k, name in enumerate(info.output_names)
-        if name in built.folded
-    }
-    _, ort_device = providers_for(device)
-    # The device lists must match ORT's own counts exactly: a short list aborts the process.
-    n_forward = len(gi.user_output_names) + len(gi.frontier_node_arg_map)
-    agent = C.TrainingAgent(
-        session._sess, feeds, [ort_device] * n_forward, fetches, [ort_device] * len(fetches), 0
-    )
-    return TrainingRunner(
-        info=info,
-        session=session,
-        agent=agent,
-        gradient_build_seconds=gradient_build_seconds,
-        session_seconds=time.perf_counter() - start,
-        # ORT numbers the outputs it kept; ortfx's numbering has the folded guards too.
-        non_differentiable=frozenset(
-            {kept[k] for k in gi.output_grad_indices_non_differentiable} | set(constants)
+    return disk_cache.Gradient(
+        model=passes.for_gradient(
+            builder.get_gradient_model(),
+            fed_params=bool(info.fed_params),
+            forward=info.model,
+            layerwise=options.zero3_layerwise,
         ),
-        full_shape=frozenset(kept[k] for k in gi.output_grad_indices_require_full_shape),
-        saved_outputs=tuple(kept[k] for k in gi.module_output_indices_requires_save_for_backward),
-        constants=tuple(sorted(constants.items())),
-        grad_slots=tuple(
-            k
-            for k, spec in enumerate(info.inputs)
-            if spec.requires_grad and spec.name not in unreachable
-        ),
-        guarded_inputs=_guarded_inputs(info),
-        user_slots=tuple(k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.USER),
-        python_ops=bool(functions),
+        user_input_names=tuple(gi.user_input_names),
+        initializer_names=tuple(gi.initializer_names),
+        forward_outputs=len(gi.user_output_names) + len(gi.frontier_node_arg_map),
+        non_differentiable=tuple(gi.output_grad_indices_non_differentiable),
+        full_shape=tuple(gi.output_grad_indices_require_full_shape),
+        saved_outputs=tuple(gi.module_output_indices_requires_save_for_backward),
+        unreachable=tuple(sorted(unreachable)),
+        folded=tuple(sorted(built.folded)),
         compute_optimizer_failure=failure,
-        releases_torch_threads=releases_torch_threads(options, device),
-        trigger_slot=next(
-            (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
-        ),
-        owned_grads=owned,
     )
 
 
