@@ -675,3 +675,31 @@ def test_every_record_field_round_trips_as_plain_data() -> None:
         disk_cache._decode({"record": "Popen", "fields": {}})
     with pytest.raises(disk_cache.Uncacheable):
         disk_cache._encode(object())
+
+
+class TokenMean(Net):
+    """A token-normalised loss: ``float(mask.sum())`` is a guarded value of the graph."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x).sum(-1) * mask).sum() / float(mask.sum())
+
+
+def test_a_guarded_graph_from_disk_still_checks_its_guards(tmp_path: Path) -> None:
+    """An entry holds its guards (plain data): a warm wrapper served the entry computes another
+    mask's call right (re-export, a disk miss for the new trace), as eager does (atol 1e-5)."""
+    torch.manual_seed(0)
+    model = TokenMean()
+    x = torch.randn(6, 4)
+    full, half = torch.ones(6), torch.tensor([1.0, 1, 1, 0, 0, 0])
+    options = ortfx.Options(cache_dir=str(tmp_path))
+    with events.recording() as cold:
+        ortfx.ORTModule(copy.deepcopy(model), options=options)(x, full).backward()
+    warm_module = copy.deepcopy(model)
+    warm = ortfx.ORTModule(warm_module, options=options)
+    with events.recording() as seen:
+        outs = [warm(x, mask) for mask in (full, half, full)]
+    disk = [e[1][0] for e in seen if e[0] == "disk_cache"]
+    assert [e[1][0] for e in cold if e[0] == "disk_cache"] == ["miss"]
+    assert disk == ["hit", "miss"]  # the half mask's graph traced anew; back to full: in memory
+    for out, mask in zip(outs, (full, half, full), strict=True):
+        torch.testing.assert_close(out, model(x, mask), rtol=0, atol=1e-5)
