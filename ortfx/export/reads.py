@@ -26,7 +26,7 @@ import attrs
 import optree
 import torch
 
-from ortfx import _torch, io
+from ortfx import _torch, io, outside
 from ortfx.export import functions
 from ortfx.model_info import Guard
 
@@ -157,6 +157,12 @@ class Reads:
     # id -> (generator, its state before the forward's first draw from it): every generator an
     # op of the forward was given, put back when the export ends (rewrites.generators_restored)
     generators: dict[int, tuple[torch.Generator, torch.Tensor]] = attrs.Factory(dict)
+    # The code that ran in the forward, what it ran on, the environment variables it read
+    # (see ortfx.outside); None: no profile hook could watch (a C-level profiler, or the
+    # dynamo exporter, which runs no Python of the forward).
+    ran: outside.Ran | None = attrs.Factory(outside.Ran)
+    # Python's or NumPy's global random stream the forward drew from (the draw is baked in).
+    drew: str | None = None
 
 
 class _Watch(torch.overrides.TorchFunctionMode):
@@ -425,10 +431,20 @@ class Watch:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
+        streams = outside.streams()
+        with self._forward():
+            yield
+        self.reads.drew = self.reads.drew or outside.drew(streams, outside.streams())
+
+    @contextlib.contextmanager
+    def _forward(self) -> Iterator[None]:
         reads, dynamo = self.reads, self.dynamo
         previous = sys.getprofile()
         token = IN_FORWARD.set(True)
+        if dynamo:
+            reads.ran = None  # the dynamo exporter runs no Python of the forward's
         if not profile_chains(previous):
+            reads.ran = None
             # A C-level profiler (cProfile, torch.profiler) runs on this thread: a Python hook
             # can neither call it nor replace it without switching it off. Without the hook:
             # the graph is keyed on grad mode as if the forward had asked, and what only the
@@ -442,7 +458,11 @@ class Watch:
                 IN_FORWARD.reset(token)
             return
 
+        ran = reads.ran
+
         def profile(frame: types.FrameType, event: Any, arg: Any) -> None:
+            if event == "call" and ran is not None:
+                ran.called(frame)
             if event == "c_call":
                 if arg is _IS_GRAD_ENABLED and not frame.f_globals.get("__name__", "").startswith(
                     _BOOKKEEPING

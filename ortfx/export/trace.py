@@ -12,11 +12,12 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
-from ortfx import _torch, io, module_state
+from ortfx import _torch, io, module_state, outside
 from ortfx.errors import OrtfxExportError, OrtfxIOError
 from ortfx.export import exporters, functions, reads, rewrites
 from ortfx.model_info import Guard, InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
+from ortfx.outside import Outside
 from ortfx.schema import ModelSchema, TensorSpec
 
 E = TypeVar("E", bound=BaseException)
@@ -44,6 +45,12 @@ def _one_export_at_a_time() -> Iterator[None]:
             _EXPORTING.depth -= 1
 
 
+RANDOM_IN_PYTHON = (
+    "the forward of {module} draws from {stream} while traced: the tracer keeps the number it "
+    "drew as a constant, so every later call would reuse it (eager draws anew). Draw with "
+    "torch (torch.rand, torch.randint, torch.bernoulli: ortfx draws them in the graph), or run "
+    "the module in PyTorch (the default fallback policy does)."
+)
 EXPORT_FAILED = (
     "exporting {module} to ONNX with the {exporter} exporter failed for inputs {schema}: "
     "{error_type}: {error}. If the model uses an operation this exporter cannot express, try the "
@@ -86,6 +93,8 @@ class Exported:
     numbers_from_tensors: bool = False
     # The public module attributes the forward set while traced: (module, name).
     writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    # What the forward read besides its arguments, parameters and buffers (compared per call).
+    outside: Outside = attrs.Factory(Outside)
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -314,6 +323,10 @@ def export(
                 raise _refusal(module, seen.refused)
             if seen.unseen:
                 raise OrtfxExportError(FUNCTIONS_UNSEEN)
+            if seen.drew is not None:
+                raise OrtfxExportError(
+                    RANDOM_IN_PYTHON.format(module=type(module).__name__, stream=seen.drew)
+                )
             if seen.functions and not options.enable_custom_autograd_function:
                 raise OrtfxExportError(
                     CUSTOM_FUNCTIONS_DISABLED.format(names=", ".join(sorted(seen.functions)))
@@ -352,6 +365,10 @@ def export(
         ) from e
     if flat.output_schema is None:
         raise OrtfxExportError(f"the {options.exporter} exporter never ran the module's forward")
+    try:
+        read = outside.collect(seen.ran, module.modules())
+    except outside.Unguardable as e:
+        raise OrtfxExportError(outside.refusal(type(module).__name__, e)) from None
     baked, numbers = exporters.baked(seen.conversions)
     custom = tuple(sorted(seen.functions))
     info = _info(module, model, schema, flat, input_names, positions, dynamo and not custom)
@@ -365,6 +382,7 @@ def export(
         reads_grad_flags=seen.leaves or checkpoints.reads_grad,
         numbers_from_tensors=numbers,
         writes=flat.writes,
+        outside=read,
     )
 
 

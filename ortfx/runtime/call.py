@@ -178,27 +178,32 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
         else:  # a hook elsewhere in the process: this tree's graphs stand
             tracked = tracked.with_fresh_hooks()
             shell = attrs.evolve(shell, tracked=tracked, fast=None)
-    if tracked is not None and tracked.attributes_changed():
-        assert tracked.attributes is not None
-        cause = tracked.attributes.cause()
+    # What each call compares without a hook to tell it: (differs, why, the view renewed when
+    # nothing real changed: private names, an equal value set again, config metadata).
+    compared = (
+        (Tracked.attributes_changed, Tracked.attribute_change, Tracked.with_fresh_attributes),
+        (Tracked.outside_changed, Tracked.outside_change, Tracked.with_fresh_outside),
+        (Tracked.configs_differ, Tracked.config_change, Tracked.with_fresh_configs),
+    )
+    for differs, why, renewed in compared:
+        if tracked is None or not differs(tracked):
+            continue
+        cause = why(tracked)
         if cause is not None:
             shell = invalidate(shell, cause)
             tracked = None
-        else:  # private names or objects only: the traced attributes stand
-            tracked = tracked.with_fresh_attributes()
-            shell = attrs.evolve(shell, tracked=tracked, fast=None)
-    if tracked is not None and tracked.configs_differ():
-        cause = tracked.config_change()
-        if cause is not None:
-            shell = invalidate(shell, cause)
-            tracked = None
-        else:  # metadata only: the graphs stand; compare against the new values from now on
-            tracked = tracked.with_fresh_configs()
+        else:
+            tracked = renewed(tracked)
             shell = attrs.evolve(shell, tracked=tracked, fast=None)
     if tracked is not None and tracked.buffer_grad_changed():
         tracked = None  # a buffer's flag moved: take the view again (checked in attempt)
     if tracked is None or tracked.moved():
+        # A view taken again with the graphs standing (a buffer's flag, a move) keeps their
+        # outside reads; after an invalidation there are none to keep.
+        kept = shell.tracked.outside if shell.tracked is not None else None
         tracked = watch.track(module)
+        if kept is not None:
+            tracked = tracked.with_outside(kept)
         shell = attrs.evolve(shell, tracked=tracked, watched=watch.module_ids(module))
     return shell, tracked
 
@@ -228,12 +233,13 @@ def attempt(
     decision = decide(state, call)
     events.emit("decide", call, decision)
     this_call = False
+    read = None
     if isinstance(decision, Reuse):
         hit = state.lookup(call.key)
         assert hit is not None
         compiled = hit.payload
     else:
-        compiled, call, this_call = realize(
+        compiled, call, this_call, read = realize(
             shell, module, decision, call, fed, tracked, args, kwargs
         )
         static = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
@@ -248,6 +254,9 @@ def attempt(
     if compiled.writes:
         # The forward's own writes (warned): never a change behind its graph.
         tracked = tracked.with_fresh_attributes(compiled.writes)
+        shell = attrs.evolve(shell, tracked=tracked)
+    if read is not None:  # a new trace: what it read outside is guarded
+        tracked = tracked.with_outside(read)
         shell = attrs.evolve(shell, tracked=tracked)
     new_state = apply(state, call, decision, compiled)
     result = execute(shell, module, fed, tracked, call, compiled, new_state, this_call)

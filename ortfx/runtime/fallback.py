@@ -85,4 +85,4 @@ def attributes_seen(shell: Shell) -> Shell:
     writes there are its own (as in eager), not a change behind a graph."""
     if shell.tracked is None:
         return shell
-    return attrs.evolve(shell, tracked=shell.tracked.with_fresh_attributes())
+    return attrs.evolve(shell, tracked=shell.tracked.with_fresh_attributes().with_fresh_outside())

@@ -18,6 +18,7 @@ from ortfx.keys import Call, GuardHint
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.options import Options
+from ortfx.outside import Outside
 from ortfx.runtime import logs
 from ortfx.runtime.inference import InferenceRunner
 from ortfx.runtime.logs import WrapperLog
@@ -168,6 +169,8 @@ class Traced:
     # (module id, name) of the public attributes the forward set while traced: the graph
     # cannot follow them (warned), and later writes of them are no change behind it.
     writes: tuple[tuple[int, str], ...] = ()
+    # What the forward read outside its arguments, parameters and buffers.
+    outside: Outside | None = None
     # The trace ran this call's own inputs (not a graph from the disk cache): the values its
     # guards hold are what PyTorch computed for this call (ORT's may differ by rounding).
     this_call: bool = False

@@ -25,6 +25,7 @@ import torch
 from ortfx import _torch
 from ortfx.errors import PARAMS_ON_SEVERAL_DEVICES, OrtfxDeviceError
 from ortfx.module_state import Attributes
+from ortfx.outside import Outside
 
 Fingerprint: TypeAlias = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
@@ -84,6 +85,10 @@ class Tracked:
     # The public plain attributes of every module of the tree (``self.use_gate``), as the graph
     # was traced with them: torch has no hook for their writes, so each call compares.
     attributes: Attributes | None = None
+    # What the traced forwards read outside their arguments, parameters and buffers (globals,
+    # classes, closures, private attributes, environment variables: ortfx.outside), the union
+    # over the graphs traced since the module last changed.
+    outside: Outside | None = None
 
     def unchanged(self) -> bool:
         """Nothing the graph was built over changed behind the wrapper: the first parameter's
@@ -102,6 +107,8 @@ class Tracked:
         if self.buffers and any(b.requires_grad for b in self.buffers) != self.buffer_grad:
             return False
         if self.attributes is not None and self.attributes.changed():
+            return False
+        if self.outside is not None and self.outside.changed():
             return False
         return not (self.configs and any(vars(c) != copied for _, c, copied in self.configs))
 
@@ -136,6 +143,32 @@ class Tracked:
         ``skip``: the (module id, name) of attributes an exported forward sets itself."""
         attributes = self.attributes or Attributes.of(self.modules)
         return attrs.evolve(self, attributes=attributes.refreshed(skip))
+
+    def outside_changed(self) -> bool:
+        return self.outside is not None and self.outside.changed()
+
+    def outside_change(self) -> str | None:
+        """What changed of the state the traces read outside the call (for the log)."""
+        return self.outside.cause() if self.outside is not None else None
+
+    def attribute_change(self) -> str | None:
+        """Which public attribute changed (for the log)."""
+        return self.attributes.cause() if self.attributes is not None else None
+
+    def with_outside(self, read: Outside) -> Tracked:
+        """This view guarding ``read`` too (what a new graph's trace read)."""
+        if not len(read):
+            return self
+        merged = read if self.outside is None else self.outside.merged(read)
+        return attrs.evolve(self, outside=merged)
+
+    def with_fresh_outside(self) -> Tracked:
+        """This view with the outside values of now: after ortfx itself ran the forward in
+        eager (its own writes are no change behind a graph), or a change :meth:`Outside.cause`
+        found none in (an equal scalar set again)."""
+        if self.outside is None:
+            return self
+        return attrs.evolve(self, outside=self.outside.refreshed())
 
     def with_fresh_hooks(self) -> Tracked:
         """This view with the hook clock and table sizes of now (the tree's hooks are the same:
