@@ -194,9 +194,14 @@ class FlatCall(torch.nn.Module):
         for guard, tensor in self.watch.reads.guards if self.watch is not None else ():
             guards.setdefault((id(tensor), guard.kind), (guard, tensor))
         self.guards = tuple(g for g, _ in guards.values())
-        # Detached: a Python value has no gradient, and ORT must not build one (it cannot for
-        # some ops, such as a max).
-        return (*outputs, *extra, *(t.detach() for _, t in guards.values()))
+        # Detached where it requires grad: a Python value has no gradient, and ORT must not
+        # build one (it cannot for some ops, such as a max). The stop is an ATen node ORT runs
+        # by calling torch, about 30 us a run: not for a tensor that needs none (sizes, a mask).
+        return (
+            *outputs,
+            *extra,
+            *(t.detach() if t.requires_grad else t for _, t in guards.values()),
+        )
 
 
 def _parameter_sources(module: torch.nn.Module) -> dict[str, tuple[InputKind, str]]:
