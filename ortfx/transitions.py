@@ -85,6 +85,9 @@ class ExportState(Generic[P]):
     warned: frozenset[str] = frozenset()
     # (fallback key, reason) of calls that ORT could not run and that now run in PyTorch.
     fallbacks: tuple[tuple[Hashable, str], ...] = ()
+    # The highest module version number given out: a version returned to (see
+    # return_to_version) never makes a later bump reuse a number whose graphs are cached.
+    versions_made: int = 0
 
     def fallback_reason(self, key: Hashable) -> str | None:
         return next((reason for k, reason in self.fallbacks if k == key), None)
@@ -99,7 +102,18 @@ class ExportState(Generic[P]):
 
 def bump_module_version(state: ExportState[P], cause: str) -> ExportState[P]:
     """A new module version: every cached graph becomes unreachable (and ages out of the LRU)."""
-    return attrs.evolve(state, module_version=ModuleVersion(state.module_version.number + 1, cause))
+    number = max(state.versions_made, state.module_version.number) + 1
+    return attrs.evolve(state, module_version=ModuleVersion(number, cause), versions_made=number)
+
+
+def return_to_version(state: ExportState[P], version: ModuleVersion) -> ExportState[P]:
+    """The module is again as it was at ``version`` (the state its graphs read outside their
+    calls is back): that version's cached graphs serve again."""
+    return attrs.evolve(
+        state,
+        module_version=version,
+        versions_made=max(state.versions_made, state.module_version.number),
+    )
 
 
 # ---- the decision and its application ------------------------------------------------------
@@ -254,6 +268,7 @@ def count_reuse(state: ExportState[P]) -> ExportState[P]:
         streaks=state.streaks,
         warned=state.warned,
         fallbacks=state.fallbacks,
+        versions_made=state.versions_made,
     )
 
 

@@ -287,3 +287,24 @@ def test_autocast_changes_reexport_and_say_so(args: Any, autocast: Any) -> None:
         assert isinstance(decision, Reexport)
         (reason,) = [r for r in decision.reasons if r.path == "autocast"]
         assert (reason.seen, reason.given) == (args[-2] or "off", autocast or "off")
+
+
+@given(st.lists(st.one_of(st.just("bump"), st.integers(0, 8)), max_size=30))
+def test_a_bump_never_reuses_a_version_number(steps: list[object]) -> None:
+    """Bumps and returns to earlier versions in any order: every bump gives a number never
+    given before, so a version returned to never shares its number with another module state's
+    graphs."""
+    from ortfx.transitions import bump_module_version, return_to_version
+
+    state: ExportState[object] = ExportState()
+    given = {0: state.module_version}
+    for step in steps:
+        if step == "bump":
+            state = bump_module_version(state, "changed")
+            assert state.module_version.number not in given
+            given[state.module_version.number] = state.module_version
+        else:
+            back = given.get(int(step))  # type: ignore[call-overload]
+            if back is not None:
+                state = return_to_version(state, back)
+                assert state.module_version == back

@@ -11,6 +11,7 @@ names the change; all fail on the code before the guards, which reused the first
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -405,3 +406,98 @@ def test_a_forward_that_sets_its_own_attribute_is_no_change() -> None:
     model(x)  # eager: the counter moves
     assert max_diff(wrapped(x), model(x)) <= TOL
     assert ortfx.stats(wrapped).exports == 1
+
+
+def test_state_switched_back_and_forth_reuses_both_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A global toggled between two values (an adapter on and off, a DPO loop's reference
+    pass): two graphs, each served again when its state is back, every call as eager; a third
+    value is a new version (never the graphs of another)."""
+    torch.manual_seed(0)
+    model = ReadsGlobal()
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    x = torch.randn(3, 4)
+    for value in (2.0, 3.0, 2.0, 3.0, 2.0, 5.0, 3.0):
+        monkeypatch.setattr(THIS, "SCALE", value)
+        got, expected = wrapped(x), reference(x)
+        assert max_diff(got, expected) <= TOL, value
+        got.sum().backward()
+        expected.sum().backward()
+        assert max_diff(model.fc.weight.grad, reference.fc.weight.grad) <= TOL, value
+    assert ortfx.stats(wrapped).exports == 3  # 2.0, 3.0 and 5.0
+
+
+def test_a_module_change_forgets_the_versions_to_return_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a change of the module itself (a parameter replaced), an earlier outside state
+    is no way back to graphs traced before it: they read the old parameter."""
+    torch.manual_seed(0)
+    model = ReadsGlobal()
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    x = torch.randn(3, 4)
+    wrapped(x)
+    monkeypatch.setattr(THIS, "SCALE", 3.0)
+    wrapped(x)
+    model.fc.weight = nn.Parameter(torch.randn(4, 4))
+    monkeypatch.setattr(THIS, "SCALE", 2.0)
+    assert max_diff(wrapped(x), model(x)) <= TOL
+    assert ortfx.stats(wrapped).exports == 3
+
+
+@pytest.mark.parametrize("order", ["ORTModule(PeftModel)", "get_peft_model(ORTModule)"])
+def test_peft_adapters_switched_in_a_loop(order: str) -> None:
+    """PEFT switches adapters through attributes of its LoRA layers (private ones among them):
+    ``disable_adapter()`` and ``set_adapter`` compute as in eager on every call (logits 1e-5,
+    LoRA gradients 1e-5), and a DPO-like loop (policy, then reference with the adapter off)
+    exports once per adapter state, not per call."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    base = transformers.GPT2LMHeadModel(config)
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False)
+    reference = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(lora))
+    reference.add_adapter("second", copy.deepcopy(lora))
+    if order == "ORTModule(PeftModel)":
+        peft_model = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(lora))
+        peft_model.add_adapter("second", copy.deepcopy(lora))
+        peft_model.load_state_dict(reference.state_dict())
+        model: Any = ortfx.ORTModule(peft_model, options=STRICT)
+        wrapper = model
+    else:
+        wrapper = ortfx.ORTModule(copy.deepcopy(base), options=STRICT)
+        peft_model = model = peft.get_peft_model(wrapper, copy.deepcopy(lora))
+        peft_model.add_adapter("second", copy.deepcopy(lora))
+        peft_model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def both(disabled: bool) -> None:
+        with contextlib.ExitStack() as stack:
+            if disabled:  # the reference pass: base weights only, no gradient
+                stack.enter_context(peft_model.disable_adapter())
+                stack.enter_context(reference.disable_adapter())
+                stack.enter_context(torch.no_grad())
+            got = model(input_ids=ids, labels=ids)
+            expected = reference(input_ids=ids, labels=ids)
+        assert max_diff(got.logits, expected.logits) <= TOL, disabled
+        if not disabled:
+            got.loss.backward()
+            expected.loss.backward()
+
+    for _ in range(3):
+        both(disabled=False)
+        both(disabled=True)
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    mine = dict(peft_model.named_parameters())
+    for name, grad in grads.items():
+        assert max_diff(mine[name].grad, grad) <= TOL, name
+    assert ortfx.stats(wrapper).exports == 2
+    peft_model.set_adapter("second")
+    reference.set_adapter("second")
+    got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert max_diff(got, expected) <= TOL

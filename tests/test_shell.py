@@ -208,6 +208,7 @@ def test_hand_built_records_on_the_fast_path_equal_evolve() -> None:
         streaks=(("p", 2),),
         warned=frozenset({"p"}),
         fallbacks=(("k", "r"),),
+        versions_made=7,
     )
     assert count_reuse(state) == attrs.evolve(
         state,
@@ -228,6 +229,7 @@ def test_hand_built_records_on_the_fast_path_equal_evolve() -> None:
         "streaks",
         "warned",
         "fallbacks",
+        "versions_made",
     }
     wrapped = ortfx.ORTModule(models.MLP())
     wrapped(X)

@@ -65,6 +65,7 @@ from ortfx.transitions import (
     make_call,
     note_fallback_call,
     resolve,
+    return_to_version,
 )
 
 # At most this many recoveries (each a different cause) before a call gives up.
@@ -189,7 +190,9 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
         if tracked is None or not differs(tracked):
             continue
         cause = why(tracked)
-        if cause is not None:
+        if cause is not None and differs is Tracked.outside_changed:
+            shell, tracked = _outside_moved(shell, tracked, cause)
+        elif cause is not None:
             shell = invalidate(shell, cause)
             tracked = None
         else:
@@ -206,6 +209,30 @@ def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
             tracked = tracked.with_outside(kept)
         shell = attrs.evolve(shell, tracked=tracked, watched=watch.module_ids(module))
     return shell, tracked
+
+
+# Module versions kept to return to when the state read outside the calls moves back.
+MAX_WORLDS = 4
+
+
+def _outside_moved(shell: Shell, tracked: Tracked, cause: str) -> tuple[Shell, Tracked | None]:
+    """State the graphs read outside their calls changed (``cause``). If it is now as it was
+    at a version left for the same kind of change (every read of that version gives its value
+    again: a PEFT adapter disabled, then enabled), that version's graphs serve again; else a
+    new version, this one kept to return to."""
+    assert tracked.outside is not None
+    here = (tracked.outside, shell.state.module_version)
+    for outside, version in reversed(shell.worlds):
+        if not outside.changed():
+            worlds = (*(w for w in shell.worlds if w[1] != version), here)
+            logs.version_returned(shell.log, shell.state.module_version, version, cause)
+            tracked = attrs.evolve(tracked, outside=outside)
+            state = return_to_version(shell.state, version)
+            return attrs.evolve(
+                shell, state=state, tracked=tracked, fast=None, worlds=worlds[-MAX_WORLDS:]
+            ), tracked
+    worlds = (*shell.worlds, here)[-MAX_WORLDS:]
+    return attrs.evolve(invalidate(shell, cause), worlds=worlds), None
 
 
 def attempt(

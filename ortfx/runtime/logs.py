@@ -287,3 +287,15 @@ def save_onnx(prefix: str | None, stage: str, mode: str, model: bytes) -> None:
     if prefix:
         with open(f"{prefix}_{stage}_{mode}.onnx", "wb") as f:
             f.write(model)
+
+
+def version_returned(log: WrapperLog, left: Any, back: Any, cause: str) -> None:
+    log.log(
+        logging.INFO,
+        "module version %d -> %d: %s, and everything the graphs of version %d read is as it "
+        "was then; they serve again",
+        left.number,
+        back.number,
+        cause,
+        back.number,
+    )

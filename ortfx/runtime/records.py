@@ -14,7 +14,7 @@ import attrs
 from ortfx.export import (
     resolve_exporter,
 )
-from ortfx.keys import Call, GuardHint
+from ortfx.keys import Call, GuardHint, ModuleVersion
 from ortfx.memory import MemoryPlan
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.options import Options
@@ -81,6 +81,9 @@ class Shell:
     said: frozenset[str] = frozenset()  # one-time warnings already given
     # Per guard location (file:line), the values its runs have given: each needs a graph.
     guard_values: tuple[tuple[str, frozenset[Any]], ...] = ()
+    # Module versions left because state read outside the call changed, each with what its
+    # graphs read (a PEFT adapter switched off and on again finds its graphs: see call.track).
+    worlds: tuple[tuple[Outside, ModuleVersion], ...] = ()
 
     @classmethod
     def create(cls, options: Options) -> Shell:
@@ -98,6 +101,7 @@ class Shell:
             fast=self.fast,
             said=self.said,
             guard_values=self.guard_values,
+            worlds=self.worlds,
         )
 
     @property
@@ -152,9 +156,10 @@ def _stats_sum(result: Stats, current: Stats, base: Stats) -> Stats:
 
 
 def invalidate(shell: Shell, cause: str) -> Shell:
-    """A new module version: every cached graph becomes unreachable; track the module again."""
+    """A new module version: every cached graph becomes unreachable; track the module again
+    (no earlier version can be returned to: the module itself changed)."""
     return attrs.evolve(
-        shell, state=bump_module_version(shell.state, cause), tracked=None, fast=None
+        shell, state=bump_module_version(shell.state, cause), tracked=None, fast=None, worlds=()
     )
 
 
