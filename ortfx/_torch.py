@@ -218,6 +218,46 @@ def traced_origin(tensor: torch.Tensor) -> str:
     return origin
 
 
+# Nodes that draw random numbers: a value computed from one differs on every run.
+_RANDOM_NODES = frozenset(
+    f"aten::{name}"
+    for name in (
+        "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+        "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "poisson",
+        "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "dropout",
+        "dropout_", "native_dropout", "feature_dropout", "alpha_dropout",
+        "feature_alpha_dropout",
+    )
+)  # fmt: skip
+
+
+def traced_from_random(tensor: torch.Tensor, clean: set[int]) -> bool:
+    """Whether the running TorchScript trace computes ``tensor``'s values from a random draw
+    (sizes of a drawn tensor do not count). ``clean``: the trace's values already found free
+    of draws (filled here, shared between calls within one trace: each value is walked once)."""
+    get = getattr(torch._C, "_get_value_trace", None)
+    if get is None:
+        raise RuntimeError(TRACING_STATE_MISSING.format(version=torch.__version__))
+    walked: list[int] = []
+    pending = [get(tensor)]
+    while pending:
+        value = pending.pop()
+        unique = value.unique()
+        if unique in clean:
+            continue
+        clean.add(unique)  # undone below if a draw is found
+        walked.append(unique)
+        node = value.node()
+        kind = node.kind()
+        if kind in _RANDOM_NODES:
+            clean.difference_update(walked)
+            return True
+        if kind == "prim::Param" or kind in _SIZE_NODES:
+            continue
+        pending.extend(node.inputs())
+    return False
+
+
 def tracer_warning() -> type[Warning]:
     """TorchScript's TracerWarning, imported on use: ``import ortfx`` must survive a torch
     without TorchScript, where the dynamo exporter takes over."""

@@ -80,6 +80,8 @@ def guard_value(kind: str, tensor: torch.Tensor) -> Any:
         value = float(tensor)
     elif kind == "number":
         value = tensor.item()
+    elif kind == "complex":
+        value = complex(tensor)
     else:  # list, NumPy array: the whole tensor's values
         value = tensor.tolist()
     return (type(value).__name__, repr(value))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dis
 import operator
 import os
+import sys
 import sysconfig
 import types
 from collections.abc import Iterable
@@ -69,6 +70,7 @@ class Scan:
     # forward's own writes are Python state the graph cannot follow (warned at export for
     # public names); a value it writes is no change behind the graph when eager runs it.
     stores: frozenset[str] = frozenset()
+    global_stores: frozenset[str] = frozenset()  # ``global STEP; STEP += 1``
 
 
 _SCANS: dict[types.CodeType, Scan | None] = {}
@@ -88,39 +90,80 @@ def scan(code: types.CodeType) -> Scan | None:
 
 
 def _guarded_file(filename: str) -> bool:
-    if filename.startswith("<frozen") or filename.startswith("<string>"):
+    if filename.startswith("<frozen"):
         return False
     real = os.path.realpath(filename)
     return not real.startswith(_STDLIB) or any(lib in real for lib in _LIBRARIES)
 
 
+# Methods that change their object in place: called on a chain the forward reads, the
+# object is the forward's own state (a log dict it fills, a buffer-like tensor it updates).
+_MUTATORS: Final = frozenset(
+    {
+        "append", "extend", "insert", "update", "clear", "pop", "popitem", "add",
+        "setdefault", "remove", "discard", "__setitem__", "__delitem__", "sort", "reverse",
+    }
+)  # fmt: skip
+_SUBSCRIPT_STORES: Final = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR"})
+
+
 def _scan(code: types.CodeType) -> Scan:
+    """Read ``code``'s loads (see :class:`Scan`): chains of LOAD_ATTR/LOAD_METHOD after a
+    LOAD_GLOBAL or a load of the first argument, or of a local assigned such a chain
+    (``cfg = self.cfg`` then ``cfg.scale``). A straight read of the bytecode, ignoring
+    control flow: what it finds is what the code can load."""
     first = code.co_varnames[0] if code.co_argcount and code.co_varnames else None
     chains: list[tuple[str, ...]] = []
     selfs: list[tuple[str, ...]] = []
+    stores: set[str] = set()
+    global_stores: set[str] = set()
+    aliases: dict[str, tuple[str, ...]] = {}
     current: list[str] | None = None
     target: list[tuple[str, ...]] | None = None
+    last: tuple[str, ...] | None = None  # the self chain closed last, for a store after it
+    since = 0  # instructions since it closed
 
-    def close() -> None:
+    def close() -> tuple[str, ...] | None:
         if current is not None and target is not None and current:
-            target.append(tuple(current))
+            chain = tuple(current)
+            target.append(chain)
+            if target is selfs:
+                if len(chain) > 1 and (chain[-1] in _MUTATORS or chain[-1].endswith("_")):
+                    stores.add(chain[0])  # self.log.append(...), self.table.fill_(...)
+                return chain
+        return None
 
-    stores: set[str] = set()
     for ins in dis.get_instructions(code):
         name = ins.opname
         if name == "STORE_ATTR":
             stores.add(str(ins.argval))
+        elif name == "STORE_GLOBAL":
+            global_stores.add(str(ins.argval))
         if name in _LOADS_ATTR and current is not None:
             current.append(str(ins.argval))
             continue
-        close()
+        closed = close()
+        if closed is not None:
+            last, since = closed, 0
+        since += 1
+        if name in _SUBSCRIPT_STORES and last is not None and since <= 3:
+            stores.add(last[0])  # self.log["mean"] = ..., del self.cache[k]
+        if name == "STORE_FAST" and closed is not None:
+            aliases[str(ins.argval)] = closed  # cfg = self.cfg
         current = target = None
         if name == "LOAD_GLOBAL":
             current, target = [str(ins.argval)], chains
         elif name in ("LOAD_FAST", "LOAD_DEREF") and first is not None and ins.argval == first:
             current, target = [], selfs
+        elif name == "LOAD_FAST" and str(ins.argval) in aliases:
+            current, target = list(aliases[str(ins.argval)]), selfs
     close()
-    return Scan(tuple(dict.fromkeys(chains)), tuple(dict.fromkeys(selfs)), frozenset(stores))
+    return Scan(
+        tuple(dict.fromkeys(chains)),
+        tuple(dict.fromkeys(selfs)),
+        frozenset(stores),
+        frozenset(global_stores),
+    )
 
 
 @attrs.define
@@ -185,6 +228,13 @@ class Outside:
     function_codes: tuple[types.CodeType, ...] = ()
     function_defaults: tuple[Any, ...] = ()
     function_where: tuple[str, ...] = ()
+    # The tree's modules and their classes (``module.__class__ = Other`` swaps the forward).
+    instances: tuple[Any, ...] = ()
+    instance_types: tuple[type, ...] = ()
+    # Copies of class-level containers, by index in ``proxies``.
+    proxy_copies: tuple[tuple[int, Any], ...] = ()
+    # What the traced forward set itself (for the export's WARNING; not compared).
+    writes: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return (
@@ -218,6 +268,12 @@ class Outside:
             not _same_contents(self.values[k], copied) for k, copied in self.copies
         ):
             return True
+        if self.proxy_copies and any(
+            not _same_contents(self.proxy_values[k], copied) for k, copied in self.proxy_copies
+        ):
+            return True
+        if not all(map(operator.is_, map(type, self.instances), self.instance_types)):
+            return True
         if self.tensors and any(_torch.version(t) != v for t, v, _ in self.tensors):
             return True
         return bool(self.environ) and any(
@@ -242,6 +298,15 @@ class Outside:
         for k, copied in self.copies:
             if not _same_contents(self.values[k], copied):
                 return f"{self.where[k]} changed in place outside the wrapper"
+        for k, copied in self.proxy_copies:
+            if not _same_contents(self.proxy_values[k], copied):
+                return f"{self.proxy_where[k]} changed in place outside the wrapper"
+        for instance, kind in zip(self.instances, self.instance_types, strict=True):
+            if type(instance) is not kind:
+                return (
+                    f"the class of a {kind.__name__} module changed to "
+                    f"{type(instance).__name__} outside the wrapper"
+                )
         for function, code, defaults, where in self.function_entries():
             if function.__code__ is not code or function.__defaults__ is not defaults:
                 return f"the code of {where} changed (reloaded)"
@@ -310,29 +375,98 @@ def _same_plain(now: Any, before: Any) -> bool:
     return type(now) is type(before) and isinstance(now, _PLAIN) and bool(now == before)
 
 
+@attrs.frozen(eq=False)
+class _Tensor:
+    """A tensor inside a snapshot: the same object, unchanged in place."""
+
+    tensor: torch.Tensor
+    version: int
+
+
 def _copy(value: Any) -> Any:
+    """A snapshot of a container's contents: plain values copied, NumPy arrays copied,
+    tensors by identity and version, other objects by identity."""
     if isinstance(value, np.ndarray):
         return value.copy()
-    import copy
-
-    return copy.deepcopy(value)
+    if isinstance(value, torch.Tensor):
+        return _Tensor(value, _torch.version(value))
+    if isinstance(value, list | tuple):
+        return type(value)(map(_copy, value)) if type(value) in (list, tuple) else value
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, set | bytearray) and type(value) in (set, bytearray):
+        return type(value)(value)
+    return value
 
 
 def _same_contents(value: Any, copied: Any) -> bool:
+    """Whether ``value`` still holds what :func:`_copy` took."""
+    if isinstance(copied, _Tensor):
+        return value is copied.tensor and _torch.version(value) == copied.version
     if isinstance(value, np.ndarray):
         return (
-            value.shape == copied.shape
+            isinstance(copied, np.ndarray)
+            and value.shape == copied.shape
             and value.dtype == copied.dtype
             and bool(np.array_equal(value, copied, equal_nan=value.dtype.kind in "fc"))
         )
-    try:
-        return bool(value == copied)
-    except Exception:  # contents that cannot be compared (checked when recorded)
+    if type(value) is not type(copied):
         return False
+    if type(value) in (list, tuple):
+        return len(value) == len(copied) and all(map(_same_contents, value, copied))
+    if type(value) is dict:
+        return value.keys() == copied.keys() and all(
+            _same_contents(v, copied[k]) for k, v in value.items()
+        )
+    if isinstance(value, _PLAIN) or type(value) in (set, bytearray):
+        try:
+            return bool(value == copied)
+        except Exception:  # contents that cannot be compared
+            return False
+    return value is copied
 
 
 def _items(value: Any) -> int:
-    return int(value.size) if isinstance(value, np.ndarray) else len(value)
+    """How many values a snapshot of ``value`` holds (nested containers counted through)."""
+    if isinstance(value, np.ndarray):
+        return int(value.size)
+    if type(value) in (list, tuple):
+        return len(value) + sum(_items(v) for v in value if type(v) in _NESTED)
+    if type(value) is dict:
+        return len(value) + sum(_items(v) for v in value.values() if type(v) in _NESTED)
+    return len(value) if isinstance(value, set | bytearray) else 1
+
+
+_NESTED: Final = (list, tuple, dict, np.ndarray)
+
+
+def _snapshot(value: Any, where: str) -> Any:
+    """:func:`_copy` of a container the forward reads; raises :class:`Unguardable` when it is
+    too large to compare on every call, or cannot be compared."""
+    size = _items(value)
+    if size > MAX_ITEMS:
+        raise Unguardable(
+            f"{where} (a {type(value).__name__} of {size} items: the graph holds its "
+            f"contents as constants, and comparing them on every call would cost more "
+            f"than the call)"
+        )
+    copied = _copy(value)
+    if not _same_contents(value, copied):
+        raise Unguardable(f"{where} (a {type(value).__name__} that cannot be compared)")
+    return copied
+
+
+def _user_module(name: str) -> bool:
+    """Whether the module called ``name`` is the user's code (not an installed package's,
+    the standard library's, torch's or ortfx's)."""
+    if name.startswith(_NOT_GUARDED) or name in ("builtins", "torch", "ortfx"):
+        return False
+    module = sys.modules.get(name)
+    filename = getattr(module, "__file__", None)
+    if not filename:
+        return name == "__main__"
+    real = os.path.realpath(filename)
+    return not real.startswith(_STDLIB) and not any(lib in real for lib in _LIBRARIES)
 
 
 class _Builder:
@@ -350,11 +484,16 @@ class _Builder:
         self.proxy_names: list[str] = []
         self.proxy_values: list[Any] = []
         self.proxy_where: list[str] = []
+        self.proxy_copies: list[tuple[int, Any]] = []
         self.copies: list[tuple[int, Any]] = []
         self.cells: dict[int, tuple[types.CellType, Any, str]] = {}
         self.tensors: dict[int, tuple[torch.Tensor, int, str]] = {}
         self.environ: dict[str, str | None] = {}
         self.functions: dict[int, tuple[types.FunctionType, types.CodeType, Any, str]] = {}
+        self.instances: dict[int, tuple[Any, type]] = {
+            id(m): (m, type(m)) for m in self.tree.values()
+        }
+        self.writes: list[str] = []
 
     def entry(self, d: dict[str, Any], name: str, where: str, *, contents: bool) -> Any:
         """Guard ``d[name]`` (absent included); its value, or _MISSING."""
@@ -364,19 +503,8 @@ class _Builder:
             return value
         self.seen.add(key)
         if contents and isinstance(value, _CONTAINERS):
-            size = _items(value)
-            if size > MAX_ITEMS:
-                raise Unguardable(
-                    f"{where} (a {type(value).__name__} of {size} items: the graph holds its "
-                    f"contents as constants, and comparing them on every call would cost more "
-                    f"than the call)"
-                )
-            copied = _copy(value)
-            if not _same_contents(value, copied):
-                raise Unguardable(f"{where} (a {type(value).__name__} that cannot be compared)")
-            self.copies.append((len(self.names), copied))
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            self.tensors.setdefault(id(value), (value, _torch.version(value), where))
+            self.copies.append((len(self.names), _snapshot(value, where)))
+        self._tensor(value, where)
         self.dicts.append(d)
         self.names.append(name)
         self.values.append(d.get(name))
@@ -393,6 +521,9 @@ class _Builder:
             return value
         self.seen.add(key)
         where = f"{name!r} of class {klass.__qualname__}"
+        if isinstance(value, _CONTAINERS) and _user_module(klass.__module__):
+            self.proxy_copies.append((len(self.proxies), _snapshot(value, where)))
+        self._tensor(value, where)
         self.proxies.append(proxy)
         self.classes.append(klass)
         self.proxy_names.append(name)
@@ -400,6 +531,10 @@ class _Builder:
         self.proxy_where.append(where)
         self._closure(value, where)
         return value
+
+    def _tensor(self, value: Any, where: str) -> None:
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            self.tensors.setdefault(id(value), (value, _torch.version(value), where))
 
     def absorb(self, read: Outside) -> None:
         """Take ``read``'s entries (those not held yet), as they were recorded."""
@@ -411,16 +546,21 @@ class _Builder:
                 self.values.append(read.values[k])
                 self.where.append(read.where[k])
                 self.copies.extend((len(self.names) - 1, c) for j, c in read.copies if j == k)
-        for proxy, klass, name, value, where in zip(
-            read.proxies,
-            read.classes,
-            read.proxy_names,
-            read.proxy_values,
-            read.proxy_where,
-            strict=True,
+        for k, (proxy, klass, name, value, where) in enumerate(
+            zip(
+                read.proxies,
+                read.classes,
+                read.proxy_names,
+                read.proxy_values,
+                read.proxy_where,
+                strict=True,
+            )
         ):
             if (id(klass), name) not in self.seen:
                 self.seen.add((id(klass), name))
+                self.proxy_copies.extend(
+                    (len(self.proxies), c) for j, c in read.proxy_copies if j == k
+                )
                 self.proxies.append(proxy)
                 self.classes.append(klass)
                 self.proxy_names.append(name)
@@ -434,6 +574,8 @@ class _Builder:
             self.functions.setdefault(id(function), (function, code, defaults, where))
         for variable, setting in read.environ:
             self.environ.setdefault(variable, setting)
+        for instance, kind in zip(read.instances, read.instance_types, strict=True):
+            self.instances.setdefault(id(instance), (instance, kind))
 
     def _closure(self, value: Any, where: str) -> None:
         """A function's code and defaults, and its closure cells: a factory's arguments, a
@@ -459,7 +601,7 @@ class _Builder:
         to the one that defines it (a subclass overriding it later changes the read)."""
         own = getattr(obj, "__dict__", None)
         if isinstance(obj, type):
-            return self.class_entry(obj, name)
+            return self.along_mro(obj, name)
         if isinstance(obj, types.ModuleType):
             return self.entry(vars(obj), name, f"{name!r} of module {obj.__name__}", contents=False)
         if isinstance(obj, torch.Tensor) or not isinstance(own, dict):
@@ -480,6 +622,7 @@ class _Builder:
             return own.get(name, _MISSING)
         if name in own:
             return self.entry(own, name, label, contents=contents)
+        self.entry(own, name, label, contents=False)  # absent: one set later shadows the class's
         return self.along_mro(type(obj), name)
 
     def along_mro(self, cls: type, name: str) -> Any:
@@ -539,6 +682,10 @@ class _Builder:
             function_codes=tuple(c for _, c, _, _ in self.functions.values()),
             function_defaults=tuple(d for _, _, d, _ in self.functions.values()),
             function_where=tuple(w for _, _, _, w in self.functions.values()),
+            instances=tuple(m for m, _ in self.instances.values()),
+            instance_types=tuple(k for _, k in self.instances.values()),
+            proxy_copies=tuple(self.proxy_copies),
+            writes=tuple(dict.fromkeys(self.writes)),
         )
 
 
@@ -596,31 +743,51 @@ def collect(ran: Ran | None, tree: Iterable[torch.nn.Module]) -> Outside:
             continue
         user = not _library(code)
         module_name = globs.get("__name__", "?")
+        for name in sorted(found.global_stores):  # the forward's own state
+            build.writes.append(f"global {name!r} of {module_name}")
         for chain in found.globals:
             head = chain[0]
-            if head not in globs:
-                continue  # a builtin
+            if head not in globs or head in found.global_stores:
+                continue  # a builtin, or a global the forward sets itself
             value = build.entry(globs, head, f"global {head!r} of {module_name}", contents=user)
             if len(chain) > 1 and value is not _MISSING:
                 build.chain(value, chain[1:], f" (global {head!r})", contents=user)
-    # What each module's code sets on it is its own state, not an input of the graph.
+    # What each object's code sets on it is its own state, not an input of the graph.
     written: dict[int, set[str]] = {}
     for code, selves in ran.selves.items():
         found = scan(code)
         for key in selves:
             if found is not None:
                 written.setdefault(key, set()).update(found.stores)
-    for code, selves in ran.selves.items():
-        found = scan(code)
-        if found is None:
-            continue
-        for me in selves.values():
-            if id(me) not in build.tree:
+    # The chains on ``self`` of: the tree's modules, its classes (classmethods), and objects
+    # reached from what is guarded (a helper object's __call__, a config's property); twice,
+    # for objects reached through those.
+    classes = {id(k) for m in modules for k in type(m).__mro__}
+    done: set[tuple[types.CodeType, int]] = set()
+    for _ in range(2):
+        reached = {id(v) for v in (*build.values, *build.proxy_values)}
+        for code, selves in ran.selves.items():
+            found = scan(code)
+            if found is None:
                 continue
-            own = written.get(id(me), set())
-            for chain in found.self_chains:
-                if chain[0] not in own:
-                    build.chain(me, chain, "", contents=True)
+            for key, me in selves.items():
+                if (code, key) in done or not (
+                    key in build.tree
+                    or (isinstance(me, type) and key in classes)
+                    or (key in reached and _plain_object(me))
+                ):
+                    continue
+                done.add((code, key))
+                own = written.get(key, set())
+                if key in build.tree:
+                    build.writes.extend(
+                        f"{n!r} of {type(me).__name__}"
+                        for n in sorted(own)
+                        if n.startswith("_") and n in vars(me) and n not in _MODULE_OWN
+                    )
+                for chain in found.self_chains:
+                    if chain[0] not in own:
+                        build.chain(me, chain, "", contents=True)
     return build.build(ran.environ)
 
 

@@ -52,6 +52,13 @@ AN_INPUT_READ = (
     "fallback policy does)."
 )
 COMPUTED_OR_COPY = "a tensor it computed or an input"
+RANDOM_VALUE = (
+    "the forward of {module} takes a Python value from a random draw ({attribute} at {where}: "
+    "a branch or a number computed from torch.rand, dropout, ...). The traced graph would hold "
+    "that one draw's outcome for every later call, and no check after the run can redraw as "
+    "eager does. Keep it in tensors (torch.where(torch.rand(()) < p, a, b)), or run the module "
+    "in PyTorch (the default fallback policy does)."
+)
 MADE_TO_REQUIRE_GRAD = (
     "the forward of {module} makes a tensor require grad ({where}) in a way ORT's graph cannot "
     "follow: the tensor is one of the module's inputs (the caller's tensor would then require "
@@ -91,7 +98,47 @@ _CONVERSIONS: dict[Any, str] = {
     _inherited("numpy"): "NumPy array",
     torch.Tensor.__len__: "len",
     torch.Tensor.__iter__: "iteration",
+    _inherited("__complex__"): "complex",
+    _inherited("is_nonzero"): "boolean",
+    _inherited("__contains__"): "boolean",
+    _inherited("__format__"): "number",
+    _inherited("__array__"): "NumPy array",
+    torch.equal: "boolean",
+    torch.allclose: "boolean",
 }
+# Ops that draw random numbers (by name): a value taken from what they give is refused.
+_DRAWS = frozenset(
+    {
+        "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+        "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "poisson",
+        "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "dropout",
+        "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
+        "dropout3d", "rrelu",
+    }
+)  # fmt: skip
+
+
+def _source(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
+    """The tensor whose values decide what a conversion gives (a guard's output)."""
+    if func is torch.equal:
+        a, b = args[0], args[1]
+        return torch.eq(a, b).all() if a.shape == b.shape else a.new_zeros((), dtype=torch.bool)
+    if func is torch.allclose:  # torch.isclose, written out: the exporter has no isclose
+        names = ("rtol", "atol", "equal_nan")
+        given = {"rtol": 1e-5, "atol": 1e-8, "equal_nan": False}
+        given |= dict(zip(names, args[2:], strict=False)) | dict(kwargs)
+        a, b = args[0], args[1]
+        close = (a == b) | ((a - b).abs() <= given["atol"] + given["rtol"] * b.abs())
+        if given["equal_nan"]:
+            close = close | (a.isnan() & b.isnan())
+        return close.all()
+    if func is _CONTAINS:
+        return (args[0] == args[1]).any()
+    return args[0]
+
+
+_CONTAINS = _inherited("__contains__")
+_FORMAT = _inherited("__format__")
 
 # Ops that give a Python list of tensors, as many as a size along ``dim`` decides (Python
 # iteration over a tensor is ``unbind``): the trace bakes that count in, as a conversion would.
@@ -134,6 +181,33 @@ def _user_frame(frame: types.FrameType | None) -> types.FrameType | None:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
         frame = frame.f_back
     return frame
+
+
+_DISPATCH = ("torch.overrides", "torch._tensor")
+
+
+def _model_frame(caller: types.FrameType) -> types.FrameType | None:
+    """The frame of the model's code a conversion is made from: the user's, or torch's own
+    module code when it is not called from the user's (a torch module wrapped directly, as
+    ``nn.TransformerEncoder``'s mask check). None for ortfx's own code."""
+    where = _user_frame(caller)
+    if where is not None and where.f_code is not _TRACED_CALL[0]:
+        if where.f_globals.get("__name__", "").startswith("ortfx."):
+            return None
+        return where
+    frame: types.FrameType | None = caller
+    while frame is not None and frame.f_globals.get("__name__", "") in _DISPATCH:
+        frame = frame.f_back
+    return frame
+
+
+# The code object of the export's call into the user's module (ortfx.export.trace.FlatCall's
+# forward, see mark_traced_call): a conversion found under it came from torch's own modules.
+_TRACED_CALL: list[types.CodeType | None] = [None]
+
+
+def mark_traced_call(code: types.CodeType) -> None:
+    _TRACED_CALL[0] = code
 
 
 @attrs.define
@@ -193,6 +267,8 @@ class _Watch(torch.overrides.TorchFunctionMode):
         self.stops = grad_enabled and not dynamo
         self.tracing = _torch.tracing_state_access()[0] if not dynamo else _never
         self.splitting = False  # inside a list-giving op (see _PARTS)
+        self.drawn = False  # an op of the forward drew random numbers (see _baked)
+        self.clean: set[int] = set()  # traced values known free of random draws
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -210,17 +286,25 @@ class _Watch(torch.overrides.TorchFunctionMode):
             if attribute == "requires_grad" and len(args) > 1 and args[1]:
                 self._made_to_require_grad(args[0], sys._getframe(1))
             return self._call(func, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _DRAWS:
+            self.drawn = True
         kind = _CONVERSIONS.get(func)
-        if kind is not None and self.tracing() is not None:
+        if kind is not None and self.tracing() is not None and not OWN_CODE.get():
             caller = sys._getframe(1)
-            where = _user_frame(caller)
-            if (
-                where is not None
-                and not where.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
-                and not _in_function_body(caller)
-            ):
+            where = _model_frame(caller)
+            if where is not None and not _in_function_body(caller):
                 out = self._call(func, args, kwargs)
-                self._baked(kind, args[0], out, where)
+                source = _source(func, args, kwargs)
+                if func is _FORMAT:  # the text of the number: guard the number
+                    kind, value = (
+                        ("number", source.item())
+                        if source.dim() == 0
+                        else ("list", source.tolist())
+                    )
+                else:
+                    value = out
+                self._baked(kind, source, value, where)
                 return out
         parts = _PARTS.get(getattr(func, "__name__", ""))
         if parts is not None and not self.splitting and self.tracing() is not None and args:
@@ -270,10 +354,16 @@ class _Watch(torch.overrides.TorchFunctionMode):
         if kind in ("len", "iteration"):
             tensor = tensor.shape[0]  # a traced size while tracing: what decides the value
             value = int(tensor)
+        at = f"{os.path.basename(filename)}:{lineno}"
+        if self.drawn and _torch.traced_from_random(tensor, self.clean):
+            self._refuse(kind, where, "random")
+            return
         origin = _torch.traced_origin(tensor)
         if origin == "constant":
             return  # the same for every call
-        at = f"{os.path.basename(filename)}:{lineno}"
+        # The value as it is now: the forward may change the tensor in place later (a flag
+        # buffer it sets), and the graph's output would then be the changed one.
+        tensor = tensor.clone()
         guard = Guard(kind, at, _canonical(kind, value), origin)
         self.reads.guards.append((guard, tensor))
 

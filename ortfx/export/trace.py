@@ -204,6 +204,9 @@ class FlatCall(torch.nn.Module):
         )
 
 
+reads.mark_traced_call(FlatCall.forward.__code__)
+
+
 def _parameter_sources(module: torch.nn.Module) -> dict[str, tuple[InputKind, str]]:
     """Graph name -> (kind, canonical name). Aliases of tied weights map to one canonical name."""
     sources: dict[str, tuple[InputKind, str]] = {}
@@ -236,6 +239,10 @@ def _refusal(module: torch.nn.Module, refused: tuple[str, str, str]) -> OrtfxExp
     if what == "input":
         return OrtfxExportError(
             reads.AN_INPUT_READ.format(module=name, attribute=attribute, where=where)
+        )
+    if what == "random":
+        return OrtfxExportError(
+            reads.RANDOM_VALUE.format(module=name, attribute=attribute, where=where)
         )
     if what == "made":
         return OrtfxExportError(reads.MADE_TO_REQUIRE_GRAD.format(module=name, where=where))

@@ -147,8 +147,9 @@ def _export(
         with watch.muted(module):
             exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
     writes = exported.writes
-    if writes:
-        logs.traced_writes(log, module_state.described(writes))
+    described = (*module_state.described(writes), *exported.outside.writes)
+    if described:
+        logs.traced_writes(log, tuple(dict.fromkeys(described)))
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     hooked = watch.user_forward_hooks(module)
