@@ -55,6 +55,7 @@ from ortfx.runtime.records import (
     Shell,
     invalidate,
 )
+from ortfx.runtime.replay import computed_from
 from ortfx.runtime.watch import Tracked
 from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
 from ortfx.transitions import (
@@ -257,9 +258,12 @@ def attempt(
     after = attributes_seen(after)  # the export's own writes (warned) are the new baseline
     if shell.options.dynamic_scalars:
         return output, after
-    if after.state.entries[-1].key is call.key:
+    latest = after.state.entries[-1].key
+    if latest is call.key or latest == call.key:
+        # A reuse keeps the entry's own key object; the fast path checks that one by identity
+        # (else, once the fast path was dropped by a fallback, it never came back).
         now = signature_of(leaves, spec, module, state, tracked)
-        after = attrs.evolve(after, fast=FastPath(now, call))
+        after = attrs.evolve(after, fast=FastPath(now, attrs.evolve(call, key=latest)))
     return output, after
 
 
@@ -298,17 +302,9 @@ def _baked_dynamic_scalars(
     if not tensorized:
         return []
     model = onnx.load_model_from_string(info.model)
-    producers = {name: node for node in model.graph.node for name in node.output}
     guards = len(info.guards)
-    pending = [o.name for o in model.graph.output[: len(model.graph.output) - guards]]
-    consumed: set[str] = set()
-    while pending:  # everything the user outputs and the updates are computed from
-        name = pending.pop()
-        if name in consumed:
-            continue
-        consumed.add(name)
-        node = producers.get(name)
-        if node is not None:
-            pending.extend(node.input)
+    # everything the user outputs and the updates are computed from
+    outputs = [o.name for o in model.graph.output[: len(model.graph.output) - guards]]
+    consumed = computed_from(model.graph, outputs)
     fed = {spec.source: spec.name for spec in info.inputs if spec.kind is InputKind.USER}
     return [schema.paths[i] for i in tensorized if fed.get(i) not in consumed]

@@ -1,0 +1,213 @@
+"""The edges of a training step, each against eager PyTorch: in-place copies into buffers,
+forwards that return nothing, a second backward through one forward, one bad (sparse) call
+among good ones, and the constructor's signature."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from tests.models import max_diff
+
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+
+
+@pytest.fixture
+def quiet() -> Iterator[None]:
+    """The fallbacks' WARNING lines are expected here."""
+    log = logging.getLogger("ortfx")
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = False
+
+
+def _grads_match(wrapped: nn.Module, eager: nn.Module, tol: float = 1e-5) -> None:
+    for (name, p), q in zip(wrapped.named_parameters(), eager.parameters(), strict=True):
+        assert max_diff(p.grad, q.grad) <= tol, name
+
+
+def _buffers_match(wrapped: nn.Module, eager: nn.Module, tol: float = 1e-6) -> None:
+    for (name, b), c in zip(wrapped.named_buffers(), eager.buffers(), strict=True):
+        assert b.dtype == c.dtype, name
+        assert max_diff(b, c) <= tol, name
+
+
+# ---- the constructor's signature ---------------------------------------------------------------
+
+
+def test_the_constructor_signature_is_the_documented_one() -> None:
+    """help() and IDEs read inspect.signature: the parameters ORTModule takes, not __new__'s
+    catch-all."""
+    shown = inspect.signature(ortfx.ORTModule)
+    assert str(shown).startswith("(module: ")
+    assert list(shown.parameters) == ["module", "debug_options", "options"]
+    assert shown.parameters["module"].default is inspect.Parameter.empty
+    assert shown.parameters["debug_options"].default is None
+    assert shown.parameters["options"].kind is inspect.Parameter.KEYWORD_ONLY
+    wrapped = ortfx.ORTModule(nn.Linear(2, 2))
+    assert inspect.signature(type(wrapped)) == shown  # the per-class subclass too
+    assert list(inspect.signature(wrapped.forward).parameters) == ["input"]  # still forward's
+
+
+# ---- one bad call changes only that call ---------------------------------------------------------
+
+
+@pytest.mark.usefixtures("quiet")
+def test_one_sparse_call_changes_only_that_call() -> None:
+    """A sparse input raises OrtfxIOError (DISABLE) or runs in PyTorch (default); the dense
+    calls after it run in ORT again (and on the fast path), with eager's values (1e-6)."""
+    for policy in (None, ortfx.FallbackPolicy.DISABLE):
+        options = ortfx.Options() if policy is None else ortfx.Options(fallback_policy=policy)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        wrapped = ortfx.ORTModule(model, options=options)
+        x = torch.randn(5, 4)
+        wrapped(x).sum().backward()
+        if policy is None:
+            assert max_diff(wrapped(x.to_sparse()), model(x)) <= 1e-6
+            assert ortfx.stats(wrapped).fallback_calls == 1
+        else:
+            with pytest.raises(ortfx.OrtfxIOError, match="sparse_coo"):
+                wrapped(x.to_sparse())
+        before = ortfx.stats(wrapped)
+        for _ in range(3):
+            assert max_diff(wrapped(x), model(x)) <= 1e-6
+        after = ortfx.stats(wrapped)
+        assert after.fallback is None
+        assert after.fallback_calls == before.fallback_calls
+        assert after.fast_hits - before.fast_hits >= 2  # back on the fast path
+        assert after.exports == before.exports
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_first_sparse_call_does_not_send_dense_calls_to_pytorch() -> None:
+    """The fallback key holds the layout (and requires_grad, the tensor's class): a sparse
+    first call falls back alone."""
+    model = nn.Linear(4, 3)
+    wrapped = ortfx.ORTModule(model)
+    x = torch.randn(5, 4)
+    wrapped(x.to_sparse())
+    wrapped(x)
+    stats = ortfx.stats(wrapped)
+    assert (stats.fallback_calls, stats.exports, stats.fallback) == (1, 1, None)
+
+
+# ---- a forward that returns nothing --------------------------------------------------------------
+
+
+class OnlyPython(nn.Module):
+    """Trainable parameters, a forward that computes nothing the caller gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        return {"none": None, "n": 3}
+
+
+class Accumulates(nn.Module):
+    """Returns None; only updates state (a statistics pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.total.add_(self.lin(x).sum(0))
+        self.count.add_(x.shape[0])
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_forward_returning_nothing_runs_and_updates_state_as_eager(requires_grad: bool) -> None:
+    """No tensor out (None, or only Python values), with trainable parameters: the result and
+    the buffers are eager's on every step; no error from ORT's gradient builder."""
+    for cls in (OnlyPython, Accumulates):
+        torch.manual_seed(0)
+        model = cls()
+        eager = copy.deepcopy(model)
+        wrapped = ortfx.ORTModule(model, options=STRICT)
+        for _ in range(3):
+            x = torch.randn(6, 4, requires_grad=requires_grad)
+            assert wrapped(x) == eager(x.detach().clone().requires_grad_(requires_grad))
+            _buffers_match(model, eager)
+        assert ortfx.stats(wrapped).fallback_calls == 0
+
+
+# ---- a second backward through one forward -------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.tanh(self.bn(self.lin(x)))))
+
+
+def test_two_losses_backward_through_one_forward_accumulate_as_eager() -> None:
+    """l1.backward(retain_graph=True); l2.backward(): gradients accumulate as eager's (1e-5),
+    the running statistics move once per forward, and a third backward without a retained
+    graph raises torch's own error, as eager does."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    for _ in range(3):
+        x = torch.randn(6, 4)
+        y, z = wrapped(x), eager(x)
+        y.sum().backward(retain_graph=True)
+        z.sum().backward(retain_graph=True)
+        (y**2).mean().backward()
+        (z**2).mean().backward()
+        _grads_match(model, eager)
+        _buffers_match(model, eager)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            y.sum().backward()
+    # autograd.grad with retain_graph, then backward, as in GAN steps
+    x = torch.randn(6, 4, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    y, z = wrapped(x), eager(xe)
+    (gx,) = torch.autograd.grad(y.pow(2).sum(), x, retain_graph=True)
+    (gz,) = torch.autograd.grad(z.pow(2).sum(), xe, retain_graph=True)
+    assert max_diff(gx, gz) <= 1e-5
+    for p in (*model.parameters(), *eager.parameters()):
+        p.grad = None
+    y.sum().backward()
+    z.sum().backward()
+    _grads_match(model, eager)
+    assert max_diff(x.grad, xe.grad) <= 1e-5
+
+
+def test_a_second_backward_that_cannot_replay_raises_a_typed_error() -> None:
+    """With dropout on, running the forward again would draw other masks: the second
+    backward raises OrtfxRuntimeError saying what to do, and the first one's gradients stand.
+    create_graph=True stays a typed error too."""
+    torch.manual_seed(0)
+    wrapped = ortfx.ORTModule(Net(p=0.5), options=STRICT)
+    y = wrapped(torch.randn(6, 4))
+    y.sum().backward(retain_graph=True)
+    first = wrapped.module.lin.weight.grad.clone()
+    with pytest.raises(ortfx.OrtfxRuntimeError, match=r"random numbers \(Dropout\).*Sum the"):
+        y.sum().backward()
+    assert torch.equal(wrapped.module.lin.weight.grad, first)
+    # Higher-order gradients stay a typed error.
+    x = torch.randn(6, 4, requires_grad=True)
+    with pytest.raises(ortfx.OrtfxRuntimeError, match="create_graph"):
+        torch.autograd.grad(wrapped(x).sum(), x, create_graph=True)
