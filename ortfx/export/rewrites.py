@@ -23,7 +23,7 @@ import numpy as np
 import optree
 import torch
 
-from ortfx import _torch, io
+from ortfx import _torch, io, module_state
 from ortfx.errors import OrtfxExportError
 from ortfx.export.reads import line_of, own_code
 
@@ -105,11 +105,24 @@ PARAMETER_CHANGED_IN_EXPORT = (
 
 
 @contextlib.contextmanager
+def attributes_preserved(module: torch.nn.Module) -> Iterator[None]:
+    """Every module attribute (``__dict__`` entry) of ``module``'s tree is put back when the
+    block ends: a run that must leave no trace (a probe of PyTorch's answer)."""
+    before = module_state.snapshot(module.modules())
+    try:
+        yield
+    finally:
+        module_state.restore(before)
+
+
+@contextlib.contextmanager
 def state_preserved(module: torch.nn.Module) -> Iterator[None]:
     """Export runs the forward: buffers it changes (in place or by replacing the tensor) are
     put back afterwards, so export never changes the module; a buffer that an update under
-    grad gave a ``grad_fn`` becomes the plain tensor it was. Parameters are not copied (that
-    would double a large model's memory at export): one changed in place raises."""
+    grad gave a ``grad_fn`` becomes the plain tensor it was. A buffer is compared by value
+    too: some of torch's kernels write in place without moving the version counter (eager
+    BatchNorm's running statistics). Parameters are not copied (that would double a large
+    model's memory at export): one changed in place raises."""
     buffers = [
         (m, name, t, _torch.version(t), t.detach().clone(), t.requires_grad, t.grad_fn is None)
         for m in module.modules()
@@ -128,7 +141,7 @@ def state_preserved(module: torch.nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for m, name, t, seen, saved, requires_grad, leaf in buffers:
                 _torch.own_buffers(m)[name] = t
-                if _torch.version(t) != seen:
+                if _torch.version(t) != seen or not _same_values(t, saved):
                     if leaf and t.grad_fn is not None:
                         t.detach_()  # in place: the module's own object, not a new one
                     t.copy_(saved)
@@ -140,6 +153,11 @@ def state_preserved(module: torch.nn.Module) -> Iterator[None]:
         raise OrtfxExportError(
             PARAMETER_CHANGED_IN_EXPORT.format(module=type(module).__name__, name=changed[0])
         )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (a NaN never is: such a buffer is copied back, to the same bits)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 # ---- BatchNorm: the running statistics as ops of the graph --------------------------------------

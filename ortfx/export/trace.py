@@ -86,6 +86,9 @@ class Exported:
     numbers_from_tensors: bool = False
     # The public module attributes the forward set while traced: (module, name).
     writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    # Every attribute the traced forward set or deleted, undone when the trace ended: the
+    # call whose graph runs makes them again (module_state.apply).
+    changes: module_state.Changes = ()
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -112,7 +115,8 @@ class FlatCall(torch.nn.Module):
     by a new tensor) are returned after the user's outputs, so the graph computes their new
     values (``updates``); an output that is an input tensor itself is noted
     (``returned_inputs``). An exception the forward raises is kept in ``raised``; the public
-    module attributes it sets, in ``writes``.
+    module attributes it sets, in ``writes``, and every attribute change, undone, in
+    ``changes``.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class FlatCall(torch.nn.Module):
         self.returned_inputs: tuple[tuple[int, int], ...] = ()
         self.raised: BaseException | None = None
         self.writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+        self.changes: module_state.Changes = ()
         self.guards: tuple[Guard, ...] = ()
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -146,6 +151,7 @@ class FlatCall(torch.nn.Module):
         input_versions = [_torch.version(t) for t in tensors]
         modules = list(self.module.modules())
         attributes = module_state.attributes(modules)
+        before = module_state.snapshot(modules)
         watching = self.watch.forward() if self.watch is not None else contextlib.nullcontext()
         if self.watch is not None:  # a retried trace starts afresh
             self.watch.reads.conversions.clear()
@@ -155,8 +161,13 @@ class FlatCall(torch.nn.Module):
                 out = self.module(*args, **kwargs)
         except BaseException as e:
             self.raised = e
+            module_state.restore(before)
             raise
         self.writes = module_state.written(attributes, modules)
+        # The trace leaves no attribute behind (an export that fails, or whose graph never
+        # runs, must not count as a call); a run of its graph makes these changes again.
+        self.changes = module_state.changes(before)
+        module_state.restore(before)
         with io.state_sources(io.call_tree(args, kwargs)):  # caches returned are the inputs'
             out_leaves, out_spec = io.flatten(out)
         io.check_leaves(out_leaves, out_spec, root="output", where="output")
@@ -365,6 +376,7 @@ def export(
         reads_grad_flags=seen.leaves or checkpoints.reads_grad,
         numbers_from_tensors=numbers,
         writes=flat.writes,
+        changes=flat.changes,
     )
 
 
@@ -447,6 +459,7 @@ def raise_if_pytorch_raises(
         with (
             rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
+            rewrites.attributes_preserved(module),
             torch.set_grad_enabled(grad_enabled),
         ):
             module(*args, **kwargs)

@@ -17,7 +17,7 @@ import onnx
 import optree
 import torch
 
-from ortfx import io
+from ortfx import io, module_state
 from ortfx._torch import in_functorch_transform, user_modes
 from ortfx.errors import (
     BUFFER_REQUIRES_GRAD,
@@ -228,15 +228,13 @@ def attempt(
     _check_input_devices(fed, call.key.schema, tracked.device)
     decision = decide(state, call)
     events.emit("decide", call, decision)
-    this_call = False
+    traced = None
     if isinstance(decision, Reuse):
         hit = state.lookup(call.key)
         assert hit is not None
         compiled = hit.payload
     else:
-        compiled, call, this_call = realize(
-            shell, module, decision, call, fed, tracked, args, kwargs
-        )
+        compiled, call, traced = realize(shell, module, decision, call, fed, tracked, args, kwargs)
         static = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
         if static:
             # The module turned these tensors back into Python values (range(n), if n):
@@ -251,10 +249,13 @@ def attempt(
         tracked = tracked.with_fresh_attributes(compiled.writes)
         shell = attrs.evolve(shell, tracked=tracked)
     new_state = apply(state, call, decision, compiled)
-    result = execute(shell, module, fed, tracked, call, compiled, new_state, this_call)
+    result = execute(shell, module, fed, tracked, call, compiled, new_state, traced is not None)
     if isinstance(result, Retry):
         return result
     output, after = result
+    if traced is not None:
+        # The graph ran this call: the attributes the traced forward set, as eager sets them.
+        module_state.apply(traced.changes)
     after = attributes_seen(after)  # the export's own writes (warned) are the new baseline
     if shell.options.dynamic_scalars:
         return output, after

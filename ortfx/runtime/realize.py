@@ -47,21 +47,23 @@ def realize(
     tracked: Tracked,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Compiled, Call, bool]:
+) -> tuple[Compiled, Call, Traced | None]:
     """Export (or reuse an entry's graph for a new session); the old state stays valid if this
-    raises. The call comes back with the key its entry gets (grad mode added when the export
-    found the module asking for it), and whether the graph was traced from this very call (its
-    guards then hold this call's values as PyTorch computes them)."""
+    raises, and the module is as it was (the trace's attribute changes are undone). The call
+    comes back with the key its entry gets (grad mode added when the export found the module
+    asking for it), and what the trace found when the graph was traced from this very call
+    (its guards then hold this call's values as PyTorch computes them; its attribute changes
+    are to be made once the graph has run), else None."""
     assert not isinstance(decision, Reuse)
     timings = Timings()
-    this_call = False
+    this_call: Traced | None = None
     pinned: tuple[tuple[int, ...], ...] | None = None
     writes: tuple[tuple[int, str], ...] = ()
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
         info, timings, traced = _export(shell, module, call, leaves)
-        writes, this_call = traced.writes, traced.this_call
+        writes, this_call = traced.writes, traced if traced.this_call else None
         if traced.numbers_from_tensors and _returns_numbers(info):
             pinned = tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
@@ -177,6 +179,7 @@ def _export(
         exported.reads_grad_flags,
         tuple((id(m), name) for m, name in writes),
         this_call=True,
+        changes=exported.changes,
     )
     return info, timings, traced
 
