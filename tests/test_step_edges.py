@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -259,3 +260,81 @@ def test_copy_into_buffers_runs_in_ort_and_matches_eager() -> None:
         _buffers_match(model, eager, tol=1e-5)
     stats = ortfx.stats(wrapped)
     assert (stats.exports, stats.fallback_calls) == (1, 0)
+
+
+class Teacher(nn.Module):
+    """A student and an EMA teacher whose parameters the forward updates with ``copy_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Linear(4, 3)
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.student.parameters(), strict=True):
+                t.copy_(0.9 * t + 0.1 * s)
+        return (self.student(x) - self.teacher(x)).pow(2).mean()
+
+
+def test_copy_into_parameters_runs_in_ort_and_matches_eager() -> None:
+    """An EMA teacher updated in the forward (copy_ into parameters under no_grad) trains in
+    ORT: after each of four SGD steps the losses, the student's gradients and the teacher's
+    parameters equal eager's (1e-5); the export itself changed no parameter."""
+    model, eager, wrapped = _twins(Teacher)
+    optimizers = [torch.optim.SGD(m.student.parameters(), lr=0.1) for m in (model, eager)]
+    for _ in range(4):
+        x = torch.randn(5, 4)
+        got, expected = wrapped(x), eager(x)
+        assert max_diff(got, expected) <= 1e-5
+        for loss, optimizer in zip((got, expected), optimizers, strict=True):
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        for name, p in model.named_parameters():
+            assert max_diff(p, dict(eager.named_parameters())[name]) <= 1e-5, name
+    stats = ortfx.stats(wrapped)
+    assert (stats.exports, stats.fallback_calls) == (1, 0)
+
+
+class ThroughAliases(nn.Module):
+    """In-place writes through aliases of a buffer and of a parameter, which the tracer
+    records on the alias (the graph would leave them out)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 3)
+        self.teacher = nn.Linear(4, 3).requires_grad_(False)
+        _register(self, scale=torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "detach":
+            self.scale.detach().mul_(0.9)
+        elif self.how == "view":
+            self.scale.view(3).mul_(0.9)
+        else:  # the old EMA idiom
+            self.teacher.weight.data.mul_(0.9).add_(0.1 * self.lin.weight.data)
+        return (self.lin(x) * self.scale - self.teacher(x)).pow(2).mean()
+
+
+@pytest.mark.parametrize("how", ["detach", "view", "data"])
+@pytest.mark.usefixtures("quiet")
+def test_writes_through_aliases_fall_back_loudly_and_leave_state_as_eager(how: str) -> None:
+    """A write through detach(), view() or .data: refused at export (OrtfxExportError naming
+    it under DISABLE), so the default policy runs PyTorch; after three steps every buffer and
+    parameter equals eager's (exact: the export put back what it wrote)."""
+    torch.manual_seed(0)
+    model = ThroughAliases(how)
+    eager = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        assert torch.equal(wrapped(x), eager(x))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, eager.state_dict()[name]), name
+    assert ortfx.stats(wrapped).fallback_calls == 3
+    strict = ortfx.ORTModule(ThroughAliases(how), options=STRICT)
+    shown = ".data" if how == "data" else f"{how}()"
+    with pytest.raises(ortfx.OrtfxExportError, match=f"in place through {re.escape(shown)}"):
+        strict(torch.randn(5, 4))

@@ -14,7 +14,7 @@ import torch
 
 from ortfx import _torch, io, module_state
 from ortfx.errors import OrtfxExportError, OrtfxIOError
-from ortfx.export import exporters, functions, reads, rewrites
+from ortfx.export import exporters, functions, reads, restore, rewrites
 from ortfx.model_info import Guard, InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
 from ortfx.schema import ModelSchema, TensorSpec
@@ -282,7 +282,7 @@ def export(
         with (
             _one_export_at_a_time(),
             rewrites.preserved_random_state(module),
-            rewrites.state_preserved(module),
+            restore.state_preserved(module, exporting=True),
             rewrites.batch_norm_updates_in_graph(module),
             traced as checkpoints,
             reads.watched(
@@ -458,8 +458,8 @@ def raise_if_pytorch_raises(
     try:
         with (
             rewrites.preserved_random_state(module),
-            rewrites.state_preserved(module),
-            rewrites.attributes_preserved(module),
+            restore.state_preserved(module),
+            restore.attributes_preserved(module),
             torch.set_grad_enabled(grad_enabled),
         ):
             module(*args, **kwargs)
