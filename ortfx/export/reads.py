@@ -198,12 +198,12 @@ class _Watch(torch.overrides.TorchFunctionMode):
         attribute = _DESCRIPTORS.get(id(getattr(func, "__self__", None)))
         if attribute is not None:
             if func.__name__ == "__get__":
-                value = self._call(func, args, kwargs)
+                value = call_as_eager(func, args, kwargs)
                 self._read(attribute, args[0], value, sys._getframe(1))
                 return value
             if attribute == "requires_grad" and len(args) > 1 and args[1]:
                 self._made_to_require_grad(args[0], sys._getframe(1))
-            return self._call(func, args, kwargs)
+            return call_as_eager(func, args, kwargs)
         kind = _CONVERSIONS.get(func)
         if kind is not None and self.tracing() is not None:
             caller = sys._getframe(1)
@@ -213,7 +213,7 @@ class _Watch(torch.overrides.TorchFunctionMode):
                 and not where.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
                 and not _in_function_body(caller)
             ):
-                out = self._call(func, args, kwargs)
+                out = call_as_eager(func, args, kwargs)
                 self._baked(kind, args[0], out, where)
                 return out
         parts = _PARTS.get(getattr(func, "__name__", ""))
@@ -227,7 +227,7 @@ class _Watch(torch.overrides.TorchFunctionMode):
                 self._parts(args[0], dim, where)
             self.splitting = True  # torch.split's Python wrapper calls Tensor.split: once
             try:
-                return self._call(func, args, kwargs)
+                return call_as_eager(func, args, kwargs)
             finally:
                 self.splitting = False
         if func is _REQUIRES_GRAD_ and (
@@ -240,20 +240,10 @@ class _Watch(torch.overrides.TorchFunctionMode):
             where = _user_frame(sys._getframe(1))
             self.reads.hooks.append(line_of(where) if where is not None else "?")
             return _NoHandle()
-        out = self._call(func, args, kwargs)
+        out = call_as_eager(func, args, kwargs)
         if self.stops and not torch.is_grad_enabled() and not OWN_CODE.get():
             out = self._stopped(func, args, kwargs, out)
         return out
-
-    @staticmethod
-    def _call(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
-        """``func(*args, **kwargs)`` as if called where eager calls it: a warning the op
-        raises is then attributed to the forward's line and module, so the process's filters
-        (by module, ``-W error``) and the registry of warnings shown once act as in eager."""
-        caller = _eager_caller(sys._getframe(2))
-        if caller is None:
-            return func(*args, **kwargs)
-        return _calling_from(caller)(func, args, kwargs)
 
     def _baked(self, kind: str, tensor: Any, value: Any, where: types.FrameType) -> None:
         """The forward took ``value`` from ``tensor`` (``kind``) at ``where``: the trace bakes
@@ -346,8 +336,19 @@ def _call_as(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
 _CALL_LINE = max(line for _, _, line in _call_as.__code__.co_lines() if line is not None)
 _CALL_OFFSET = _CALL_LINE - _call_as.__code__.co_firstlineno
 # (code, line) of a forward's call site -> _call_as compiled as if written on that line of that
-# module (see _Watch._call); bounded, cleared when full.
+# module (see call_as_eager); bounded, cleared when full.
 _AS_CALLED: dict[tuple[types.CodeType, int], Any] = {}
+
+
+def call_as_eager(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` from a ``TorchFunctionMode``'s ``__torch_function__``, as if
+    called where eager calls it: a warning the op raises is then attributed to the forward's
+    line and module, so the process's filters (by module, ``-W error``) and the registry of
+    warnings shown once act as in eager."""
+    caller = _eager_caller(sys._getframe(2))  # the frame that called __torch_function__
+    if caller is None:
+        return func(*args, **kwargs)
+    return _calling_from(caller)(func, args, kwargs)
 
 
 def _eager_caller(frame: types.FrameType | None) -> types.FrameType | None:

@@ -16,6 +16,7 @@ import torch
 
 from ortfx import _torch, module_state
 from ortfx.errors import OrtfxExportError
+from ortfx.export import reads
 from ortfx.export.rewrites import user_line
 
 
@@ -137,7 +138,7 @@ class _Writes(torch.overrides.TorchFunctionMode):
                     )
                 if kind == "parameter" and root not in self.saved:
                     self._save(root, tensor)
-        out = func(*args, **kwargs)
+        out = reads.call_as_eager(func, args, kwargs)  # warnings on the forward's line
         if args and isinstance(args[0], torch.Tensor):
             root, how = self._root(args[0])
             if root is not None:

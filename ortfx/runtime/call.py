@@ -151,11 +151,12 @@ def run(
         hint = None
     causes: list[str] = []
     hops = 0
+    changes: module_state.Changes = ()
     while len(causes) <= MAX_RECOVERIES:
-        outcome = attempt(shell, module, args, kwargs, leaves, spec, hint)
+        outcome = attempt(shell, module, args, kwargs, leaves, spec, hint, changes)
         if not isinstance(outcome, Retry):
             return outcome
-        shell, hint = outcome.shell, outcome.hint
+        shell, hint, changes = outcome.shell, outcome.hint, outcome.changes
         # A discarded run of a guarded graph moves down its key's graphs, each hop at least
         # one value closer to the call's (see GuardHint): bounded by the graphs kept.
         if hint is not None and hops < shell.options.cache_size + MAX_RECOVERIES:
@@ -212,9 +213,11 @@ def attempt(
     leaves: list[Any],
     spec: optree.PyTreeSpec,
     hint: GuardHint | None = None,
+    changes: module_state.Changes = (),
 ) -> Outcome:
     """The slow path: key, decide, realize, then execute. ``hint``: what a discarded run of
-    a guarded graph said about this call (which graph to try, or to export, next)."""
+    a guarded graph said about this call (which graph to try, or to export, next);
+    ``changes``: the attribute changes of an earlier attempt's trace of this call."""
     shell, tracked = track(shell, module)
     state = shell.state
     io.check_leaves(leaves, spec, root="call", where="input")
@@ -235,6 +238,8 @@ def attempt(
         compiled = hit.payload
     else:
         compiled, call, traced = realize(shell, module, decision, call, fed, tracked, args, kwargs)
+        if traced is not None:
+            changes = traced.changes
         static = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
         if static:
             # The module turned these tensors back into Python values (range(n), if n):
@@ -243,6 +248,7 @@ def attempt(
             return Retry(
                 attrs.evolve(shell, baked=shell.baked | set(static), fast=None),
                 f"{', '.join(static)} baked in",
+                changes=changes,
             )
     if compiled.writes:
         # The forward's own writes (warned): never a change behind its graph.
@@ -251,11 +257,10 @@ def attempt(
     new_state = apply(state, call, decision, compiled)
     result = execute(shell, module, fed, tracked, call, compiled, new_state, traced is not None)
     if isinstance(result, Retry):
-        return result
+        return attrs.evolve(result, changes=changes)
     output, after = result
-    if traced is not None:
-        # The graph ran this call: the attributes the traced forward set, as eager sets them.
-        module_state.apply(traced.changes)
+    # The graph ran this call: the attributes its traced forward set, as eager sets them.
+    module_state.apply(changes)
     after = attributes_seen(after)  # the export's own writes (warned) are the new baseline
     if shell.options.dynamic_scalars:
         return output, after

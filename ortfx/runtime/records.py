@@ -185,6 +185,9 @@ class Retry:
     cause: str
     # A discarded run of a guarded graph: which graph the next attempt tries (or exports).
     hint: GuardHint | None = None
+    # The attribute changes of this call's trace, if one ran: the attempt whose graph runs
+    # the call makes them (a later attempt may reuse a graph instead of tracing again).
+    changes: module_state.Changes = attrs.field(default=(), eq=False)
 
 
 class CallFailed(Exception):
