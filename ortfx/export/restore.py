@@ -138,7 +138,9 @@ class _Writes(torch.overrides.TorchFunctionMode):
                     )
                 if kind == "parameter" and root not in self.saved:
                     self._save(root, tensor)
-        out = reads.call_as_eager(func, args, kwargs)  # warnings on the forward's line
+        # In an export, inside the read watch (which calls ops as eager does, skipping this
+        # frame); alone, called as eager here: warnings on the forward's line either way.
+        out = func(*args, **kwargs) if self.refuse else reads.call_as_eager(func, args, kwargs)
         if args and isinstance(args[0], torch.Tensor):
             root, how = self._root(args[0])
             if root is not None:
@@ -194,15 +196,16 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 @contextlib.contextmanager
-def state_preserved(module: torch.nn.Module, *, exporting: bool = False) -> Iterator[None]:
+def state_preserved(module: torch.nn.Module, *, exporting: bool = False) -> Iterator[_Writes]:
     """The forward runs once (an export, or a probe of PyTorch's answer): buffers it changes
     (in place, by replacing the tensor, or by a kernel of torch's that moves no version
     counter, as eager BatchNorm's running statistics) are put back by value; a buffer that an
     update under grad gave a ``grad_fn`` becomes the plain tensor it was. Parameters are not
-    copied up front (that would double a large model's memory): :class:`_Writes` copies one
-    right before the forward first writes it, and it is put back; one changed where no op
-    shows it raises. ``exporting``: writes through aliases the tracer does not follow are
-    refused (see :class:`_Writes`)."""
+    copied up front (that would double a large model's memory): the :class:`_Writes` watch
+    copies one right before the forward first writes it, and it is put back; one changed
+    where no op shows it raises. ``exporting``: the watch (yielded) refuses writes through
+    aliases the tracer does not follow, and the export enters it inside its read watch
+    (``reads.watched(inner=...)``); otherwise it is entered here."""
     buffers = [
         (m, name, t, _torch.version(t), t.detach().clone(), t.requires_grad, t.grad_fn is None)
         for m in module.modules()
@@ -222,8 +225,8 @@ def state_preserved(module: torch.nn.Module, *, exporting: bool = False) -> Iter
         refuse=exporting,
     )
     try:
-        with writes:
-            yield
+        with contextlib.nullcontext() if exporting else writes:
+            yield writes
     finally:
         with torch.no_grad():
             for m, name, t, seen, saved, requires_grad, leaf in buffers:
@@ -249,3 +252,6 @@ def state_preserved(module: torch.nn.Module, *, exporting: bool = False) -> Iter
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values (a NaN never is: such a buffer is copied back, to the same bits)."""
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+reads.TRANSPARENT.add(_Writes.__torch_function__.__code__)

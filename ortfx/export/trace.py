@@ -282,7 +282,7 @@ def export(
         with (
             _one_export_at_a_time(),
             rewrites.preserved_random_state(module),
-            restore.state_preserved(module, exporting=True),
+            restore.state_preserved(module, exporting=True) as writes,
             rewrites.batch_norm_updates_in_graph(module),
             traced as checkpoints,
             reads.watched(
@@ -291,6 +291,7 @@ def export(
                 buffers=tuple(module.buffers()),
                 dynamo=dynamo,
                 any_grad=any_grad,
+                inner=writes,
             ) as watch,
             rewrites.generators_restored(watch.reads.generators),
         ):
