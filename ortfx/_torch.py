@@ -117,6 +117,16 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
     return bool(check(torch.autograd.graph.get_gradient_edge(leaf).node))
 
 
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def backward_keeps_graph() -> bool:
+    """During a backward: whether it was asked to keep the graph (``retain_graph=True``),
+    so that another backward may come through the same nodes. Without torch's private
+    question, assume it does (the caller then keeps what a second backward needs)."""
+    return True if _KEEP_GRAPH is None else bool(_KEEP_GRAPH())
+
+
 # Looked up once: the question is asked on every call.
 _FUNCTORCH_LEVEL = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
 

@@ -49,6 +49,12 @@ class OrtfxInitError(OrtfxError, RuntimeError):
     """ONNX Runtime could not be set up (missing wheel, gradient build or session failure)."""
 
 
+class OrtfxGraphBuildError(OrtfxInitError):
+    """ONNX Runtime could not build the gradient graph of an exported graph, or open a session
+    over it, for a reason that names no operator: a property of that graph, so the
+    ``UNSUPPORTED_ONNX_MODEL`` fallback covers it (the default policy runs PyTorch)."""
+
+
 class OrtfxRuntimeError(OrtfxError, RuntimeError):
     """ONNX Runtime failed while running a graph that was built successfully."""
 

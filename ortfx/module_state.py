@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import attrs
 import torch
@@ -57,6 +57,48 @@ def described(writes: Iterable[tuple[torch.nn.Module, str]]) -> tuple[str, ...]:
 
 
 _MISSING = object()
+
+# A change that deleted the attribute.
+GONE: Final = object()
+
+Snapshot: TypeAlias = tuple[tuple[torch.nn.Module, dict[str, Any]], ...]
+Changes: TypeAlias = tuple[tuple[torch.nn.Module, str, Any], ...]
+
+
+def snapshot(modules: Iterable[torch.nn.Module]) -> Snapshot:
+    """Every attribute each module holds (its ``__dict__``, shallow: an object changed in
+    place is not seen), to put back with :func:`restore`."""
+    return tuple((m, dict(vars(m))) for m in modules)
+
+
+def changes(before: Snapshot) -> Changes:
+    """What was set or deleted since ``before``: (module, name, new value or :data:`GONE`)."""
+    found: list[tuple[torch.nn.Module, str, Any]] = []
+    for m, old in before:
+        now = vars(m)
+        found += [(m, n, v) for n, v in now.items() if old.get(n, _MISSING) is not v]
+        found += [(m, n, GONE) for n in old.keys() - now.keys()]
+    return tuple(found)
+
+
+def restore(before: Snapshot) -> None:
+    """Put every attribute back as ``before`` holds it (added ones deleted)."""
+    for m, old in before:
+        now = vars(m)
+        for name in [n for n in now if n not in old]:
+            del now[name]
+        for name, value in old.items():
+            if now.get(name, _MISSING) is not value:
+                now[name] = value
+
+
+def apply(done: Changes) -> None:
+    """Make ``done`` (from :func:`changes`) again."""
+    for m, name, value in done:
+        if value is GONE:
+            vars(m).pop(name, None)
+        else:
+            vars(m)[name] = value
 
 
 @attrs.frozen(eq=False)

@@ -177,8 +177,18 @@ def line_of(frame: types.FrameType) -> str:
 
 
 def _user_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """The first frame outside torch (a torch function's Python dispatch sits between)."""
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
+    """The first frame outside torch (a torch function's Python dispatch sits between) and
+    ortfx's :data:`TRANSPARENT` modes."""
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith("torch.") or frame.f_code in TRANSPARENT
+    ):
+        frame = frame.f_back
+    return frame
+
+
+def _past_transparent(frame: types.FrameType) -> types.FrameType:
+    """``frame``, or the first frame behind it that is not one of :data:`TRANSPARENT`."""
+    while frame.f_code in TRANSPARENT and frame.f_back is not None:
         frame = frame.f_back
     return frame
 
@@ -274,27 +284,27 @@ class _Watch(torch.overrides.TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        caller = _past_transparent(sys._getframe(1))  # who called the op
         for given in (*args, *kwargs.values()):  # generator= or positional (torch.poisson)
             if isinstance(given, torch.Generator) and id(given) not in self.reads.generators:
                 self.reads.generators[id(given)] = (given, given.get_state())
         attribute = _DESCRIPTORS.get(id(getattr(func, "__self__", None)))
         if attribute is not None:
             if func.__name__ == "__get__":
-                value = self._call(func, args, kwargs)
-                self._read(attribute, args[0], value, sys._getframe(1))
+                value = call_as_eager(func, args, kwargs)
+                self._read(attribute, args[0], value, caller)
                 return value
             if attribute == "requires_grad" and len(args) > 1 and args[1]:
-                self._made_to_require_grad(args[0], sys._getframe(1))
-            return self._call(func, args, kwargs)
+                self._made_to_require_grad(args[0], caller)
+            return call_as_eager(func, args, kwargs)
         name = getattr(func, "__name__", "")
         if name in _DRAWS:
             self.drawn = True
         kind = _CONVERSIONS.get(func)
         if kind is not None and self.tracing() is not None and not OWN_CODE.get():
-            caller = sys._getframe(1)
             where = _model_frame(caller)
             if where is not None and not _in_function_body(caller):
-                out = self._call(func, args, kwargs)
+                out = call_as_eager(func, args, kwargs)
                 source = _source(func, args, kwargs)
                 if func is _FORMAT:  # the text of the number: guard the number
                     kind, value = (
@@ -308,7 +318,7 @@ class _Watch(torch.overrides.TorchFunctionMode):
                 return out
         parts = _PARTS.get(getattr(func, "__name__", ""))
         if parts is not None and not self.splitting and self.tracing() is not None and args:
-            where = _user_frame(sys._getframe(1))
+            where = _user_frame(caller)
             if where is not None and not where.f_globals.get("__name__", "").startswith(
                 _BOOKKEEPING
             ):
@@ -317,33 +327,23 @@ class _Watch(torch.overrides.TorchFunctionMode):
                 self._parts(args[0], dim, where)
             self.splitting = True  # torch.split's Python wrapper calls Tensor.split: once
             try:
-                return self._call(func, args, kwargs)
+                return call_as_eager(func, args, kwargs)
             finally:
                 self.splitting = False
         if func is _REQUIRES_GRAD_ and (
             args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
         ):
-            self._made_to_require_grad(args[0], sys._getframe(1))
+            self._made_to_require_grad(args[0], caller)
         elif func is _REGISTER_HOOK and self.grad_enabled:
             # ORT's backward cannot run it: recorded (the export is refused), not registered
             # (without grad it raises as in eager, below).
-            where = _user_frame(sys._getframe(1))
+            where = _user_frame(caller)
             self.reads.hooks.append(line_of(where) if where is not None else "?")
             return _NoHandle()
-        out = self._call(func, args, kwargs)
+        out = call_as_eager(func, args, kwargs)
         if self.stops and not torch.is_grad_enabled() and not OWN_CODE.get():
             out = self._stopped(func, args, kwargs, out)
         return out
-
-    @staticmethod
-    def _call(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
-        """``func(*args, **kwargs)`` as if called where eager calls it: a warning the op
-        raises is then attributed to the forward's line and module, so the process's filters
-        (by module, ``-W error``) and the registry of warnings shown once act as in eager."""
-        caller = _eager_caller(sys._getframe(2))
-        if caller is None:
-            return func(*args, **kwargs)
-        return _calling_from(caller)(func, args, kwargs)
 
     def _baked(self, kind: str, tensor: Any, value: Any, where: types.FrameType) -> None:
         """The forward took ``value`` from ``tensor`` (``kind``) at ``where``: the trace bakes
@@ -442,18 +442,39 @@ def _call_as(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
 _CALL_LINE = max(line for _, _, line in _call_as.__code__.co_lines() if line is not None)
 _CALL_OFFSET = _CALL_LINE - _call_as.__code__.co_firstlineno
 # (code, line) of a forward's call site -> _call_as compiled as if written on that line of that
-# module (see _Watch._call); bounded, cleared when full.
+# module (see call_as_eager); bounded, cleared when full.
 _AS_CALLED: dict[tuple[types.CodeType, int], Any] = {}
+
+
+def call_as_eager(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` from a ``TorchFunctionMode``'s ``__torch_function__``, as if
+    called where eager calls it: a warning the op raises is then attributed to the forward's
+    line and module, so the process's filters (by module, ``-W error``) and the registry of
+    warnings shown once act as in eager."""
+    caller = _eager_caller(sys._getframe(2))  # the frame that called __torch_function__
+    if caller is None:
+        return func(*args, **kwargs)
+    return _calling_from(caller)(func, args, kwargs)
+
+
+# The __torch_function__ code of ortfx's other modes that run inside the watch and call the
+# op on, plainly (the export's write watch): not there in eager either.
+TRANSPARENT: set[types.CodeType] = set()
 
 
 def _eager_caller(frame: types.FrameType | None) -> types.FrameType | None:
     """The frame eager would run an op from, given the frame that called the watch: torch's
-    dispatch to a mode (``torch.overrides``) and the Python wrapper that asked for it are
-    not there in eager (the wrapper runs again from the watch)."""
-    if frame is not None and frame.f_globals.get("__name__") == "torch.overrides":
-        while frame is not None and frame.f_globals.get("__name__") == "torch.overrides":
+    dispatch to a mode (``torch.overrides``), the Python wrapper that asked for it (it runs
+    again from the watch) and ortfx's :data:`TRANSPARENT` modes are not there in eager."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "torch.overrides":
+            while frame is not None and frame.f_globals.get("__name__") == "torch.overrides":
+                frame = frame.f_back
+            frame = frame.f_back if frame is not None else None
+        elif frame.f_code in TRANSPARENT:
             frame = frame.f_back
-        frame = frame.f_back if frame is not None else None
+        else:
+            return frame
     return frame
 
 
@@ -515,9 +536,13 @@ class Watch:
     the traced call, so that the mode is the innermost one even under ``torch.export``'s
     own), and :attr:`reads` holds what it saw."""
 
-    def __init__(self, mode: _Watch, dynamo: bool) -> None:
+    def __init__(
+        self, mode: _Watch, dynamo: bool, inner: torch.overrides.TorchFunctionMode | None = None
+    ) -> None:
         self.mode, self.dynamo = mode, dynamo
         self.reads = mode.reads
+        # Another of ortfx's modes, innermost (the export's write watch, see TRANSPARENT).
+        self.inner = inner if inner is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -542,7 +567,7 @@ class Watch:
             reads.mode = True
             reads.unseen = dynamo
             try:
-                with self.mode:
+                with self.mode, self.inner:
                     yield
             finally:
                 IN_FORWARD.reset(token)
@@ -569,7 +594,7 @@ class Watch:
 
         sys.setprofile(profile)
         try:
-            with self.mode:
+            with self.mode, self.inner:
                 yield
         finally:
             IN_FORWARD.reset(token)
@@ -590,6 +615,7 @@ def watched(
     buffers: Sequence[torch.Tensor],
     dynamo: bool,
     any_grad: bool,
+    inner: torch.overrides.TorchFunctionMode | None = None,
 ) -> Iterator[Watch]:
     """For one export: the call's grad mode on this thread, the custom Functions met recorded,
     and a :class:`Watch` for the forward (see the module docstring)."""
@@ -603,4 +629,4 @@ def watched(
             dynamo=dynamo,
             any_grad=any_grad,
         )
-        yield Watch(mode, dynamo)
+        yield Watch(mode, dynamo, inner)

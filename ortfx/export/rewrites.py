@@ -95,53 +95,6 @@ def generators_restored(saved: dict[int, tuple[torch.Generator, torch.Tensor]]) 
             generator.set_state(state)
 
 
-PARAMETER_CHANGED_IN_EXPORT = (
-    "the forward of {module} changes parameter {name!r} in place (e.g. under torch.no_grad()); "
-    "ortfx ran that forward once to export it, and the graph applies the change again on every "
-    "call, so the parameter would be changed twice on this call. ortfx put back its value from "
-    "before the export where it could not: make the change outside forward (e.g. after "
-    "optimizer.step()), or call the module outside ortfx."
-)
-
-
-@contextlib.contextmanager
-def state_preserved(module: torch.nn.Module) -> Iterator[None]:
-    """Export runs the forward: buffers it changes (in place or by replacing the tensor) are
-    put back afterwards, so export never changes the module; a buffer that an update under
-    grad gave a ``grad_fn`` becomes the plain tensor it was. Parameters are not copied (that
-    would double a large model's memory at export): one changed in place raises."""
-    buffers = [
-        (m, name, t, _torch.version(t), t.detach().clone(), t.requires_grad, t.grad_fn is None)
-        for m in module.modules()
-        for name, t in _torch.own_buffers(m).items()
-        if t is not None
-    ]
-    params = [
-        (m, name, p, _torch.version(p))
-        for m in module.modules()
-        for name, p in _torch.own_parameters(m).items()
-        if p is not None
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, name, t, seen, saved, requires_grad, leaf in buffers:
-                _torch.own_buffers(m)[name] = t
-                if _torch.version(t) != seen:
-                    if leaf and t.grad_fn is not None:
-                        t.detach_()  # in place: the module's own object, not a new one
-                    t.copy_(saved)
-                    t.requires_grad_(requires_grad)
-            for m, name, p, _ in params:
-                _torch.own_parameters(m)[name] = p
-    changed = [n for m, n, p, seen in params if _torch.version(p) != seen]
-    if changed:
-        raise OrtfxExportError(
-            PARAMETER_CHANGED_IN_EXPORT.format(module=type(module).__name__, name=changed[0])
-        )
-
-
 # ---- BatchNorm: the running statistics as ops of the graph --------------------------------------
 
 
@@ -285,7 +238,7 @@ def _detached(value: Any) -> Any:
 _LIBRARIES = ("torch.", "ortfx.")
 
 
-def _user_line(frame: types.FrameType | None) -> str:
+def user_line(frame: types.FrameType | None) -> str:
     """``file:line`` of the first frame outside torch and ortfx."""
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_LIBRARIES):
         frame = frame.f_back
@@ -352,7 +305,7 @@ def checkpoints_traced_directly(
         if unsure:
             raise OrtfxExportError(
                 REENTRANT_CHECKPOINT_UNSURE.format(
-                    module=type(module).__name__, where=_user_line(sys._getframe(2))
+                    module=type(module).__name__, where=user_line(sys._getframe(2))
                 )
             )
         _warn_no_input_requires_grad(reentrant)

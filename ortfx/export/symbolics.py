@@ -3,6 +3,9 @@
 Registered for the duration of each of ortfx's TorchScript exports only (:func:`table`, through
 :func:`ortfx._torch.symbolics_registered`); a user's own ``torch.onnx.export`` never sees them:
 
+- ``aten::copy`` (``buffer.copy_(value)`` in a forward, traced on a clone of the buffer):
+  ``Expand`` of ``value`` cast to the buffer's dtype, so ``copy_`` updates export as ``add_``
+  ones do;
 - ``aten::diff`` (transformers calls it to find packed sequences when ``position_ids`` come
   without an ``attention_mask``, e.g. in ``generate(use_cache=False)``): ``Sub`` of two slices,
   ``Xor`` for bool, after concatenating ``prepend``/``append``;
@@ -463,6 +466,38 @@ def index_add(g: Any, x: Any, dim: Any, index: Any, source: Any, alpha: Any = No
     return g.op("Add", x, _aten_node(g, "index_add", args, x, rank if rank is not None else 1))
 
 
+_ONNX_TYPES: Final[dict[torch.dtype, int]] = {
+    **_ONNX_FLOATS,
+    **_ONNX_INTS,
+    torch.uint8: 2,
+    torch.bool: 9,
+}
+
+
+def copy(g: Any, x: Any, src: Any, non_blocking: Any = None) -> Any:
+    """``x.copy_(src)``, which the tracer records as ``aten::copy`` of a clone of ``x`` (no
+    stock symbolic): ``src`` in ``x``'s dtype, broadcast to ``x``'s shape. A buffer or an input
+    updated with ``copy_`` (running statistics, a teacher's EMA, a counter) then becomes a
+    graph output like one updated with ``add_``, and ortfx writes it back after each run."""
+    target, source = _dtype_or_none(x), _dtype_or_none(src)
+    if target != source:
+        if target not in _ONNX_TYPES:
+            raise OrtfxExportError(
+                f"Tensor.copy_ into a tensor of dtype {target} (from {source}) cannot be "
+                "exported by ortfx: the target's dtype must be known and one of "
+                f"{', '.join(str(d).removeprefix('torch.') for d in _ONNX_TYPES)}. Copy a "
+                "tensor of the target's own dtype (src.to(target.dtype)), or let ortfx fall "
+                "back to PyTorch."
+            )
+        src = g.op("Cast", src, to_i=_ONNX_TYPES[target])
+    return g.op("Expand", src, g.op("Shape", x))
+
+
+def _dtype_or_none(x: Any) -> torch.dtype | None:
+    dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _is_floating(x: Any) -> bool:
     dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point
@@ -631,6 +666,7 @@ def table(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
     never see them). Each is registered at the export's own opset, which the exporter then
     picks over its built-in versions; one that needs a newer opset is left out."""
     entries: list[tuple[str, Callable[..., Any], int]] = [
+        ("aten::copy", copy, 9),
         ("aten::diff", diff, 9),
         ("aten::cumsum", cumsum, 11),
         *((name, symbolic, 9) for name, symbolic in NAN_AND_BOUNDS.items()),

@@ -14,7 +14,7 @@ import torch
 
 from ortfx import _torch, io, module_state, outside
 from ortfx.errors import OrtfxExportError, OrtfxIOError
-from ortfx.export import exporters, functions, reads, rewrites
+from ortfx.export import exporters, functions, reads, restore, rewrites
 from ortfx.model_info import Guard, InputKind, InputSpec, PostExportProcessedModelInfo, Update
 from ortfx.options import ExportOptions
 from ortfx.outside import Outside
@@ -95,6 +95,9 @@ class Exported:
     writes: tuple[tuple[torch.nn.Module, str], ...] = ()
     # What the forward read besides its arguments, parameters and buffers (compared per call).
     outside: Outside = attrs.Factory(Outside)
+    # Every attribute the traced forward set or deleted, undone when the trace ended: the
+    # call whose graph runs makes them again (module_state.apply).
+    changes: module_state.Changes = ()
 
 
 def graph_name(path: str, taken: set[str]) -> str:
@@ -121,7 +124,8 @@ class FlatCall(torch.nn.Module):
     by a new tensor) are returned after the user's outputs, so the graph computes their new
     values (``updates``); an output that is an input tensor itself is noted
     (``returned_inputs``). An exception the forward raises is kept in ``raised``; the public
-    module attributes it sets, in ``writes``.
+    module attributes it sets, in ``writes``, and every attribute change, undone, in
+    ``changes``.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class FlatCall(torch.nn.Module):
         self.returned_inputs: tuple[tuple[int, int], ...] = ()
         self.raised: BaseException | None = None
         self.writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+        self.changes: module_state.Changes = ()
         self.guards: tuple[Guard, ...] = ()
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -155,6 +160,7 @@ class FlatCall(torch.nn.Module):
         input_versions = [_torch.version(t) for t in tensors]
         modules = list(self.module.modules())
         attributes = module_state.attributes(modules)
+        before = module_state.snapshot(modules)
         watching = self.watch.forward() if self.watch is not None else contextlib.nullcontext()
         if self.watch is not None:  # a retried trace starts afresh
             self.watch.reads.conversions.clear()
@@ -164,8 +170,13 @@ class FlatCall(torch.nn.Module):
                 out = self.module(*args, **kwargs)
         except BaseException as e:
             self.raised = e
+            module_state.restore(before)
             raise
         self.writes = module_state.written(attributes, modules)
+        # The trace leaves no attribute behind (an export that fails, or whose graph never
+        # runs, must not count as a call); a run of its graph makes these changes again.
+        self.changes = module_state.changes(before)
+        module_state.restore(before)
         with io.state_sources(io.call_tree(args, kwargs)):  # caches returned are the inputs'
             out_leaves, out_spec = io.flatten(out)
         io.check_leaves(out_leaves, out_spec, root="output", where="output")
@@ -292,7 +303,7 @@ def export(
         with (
             _one_export_at_a_time(),
             rewrites.preserved_random_state(module),
-            rewrites.state_preserved(module),
+            restore.state_preserved(module, exporting=True) as writes,
             rewrites.batch_norm_updates_in_graph(module),
             traced as checkpoints,
             reads.watched(
@@ -301,6 +312,7 @@ def export(
                 buffers=tuple(module.buffers()),
                 dynamo=dynamo,
                 any_grad=any_grad,
+                inner=writes,
             ) as watch,
             rewrites.generators_restored(watch.reads.generators),
         ):
@@ -395,6 +407,7 @@ def export(
         numbers_from_tensors=numbers,
         writes=flat.writes,
         outside=read,
+        changes=flat.changes,
     )
 
 
@@ -476,7 +489,8 @@ def raise_if_pytorch_raises(
     try:
         with (
             rewrites.preserved_random_state(module),
-            rewrites.state_preserved(module),
+            restore.state_preserved(module),
+            restore.attributes_preserved(module),
             torch.set_grad_enabled(grad_enabled),
         ):
             module(*args, **kwargs)

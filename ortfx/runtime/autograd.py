@@ -6,8 +6,18 @@ from typing import Any
 
 import torch
 
+from ortfx._torch import backward_keeps_graph
 from ortfx.errors import HIGHER_ORDER_GRADIENTS, OrtfxRuntimeError
 from ortfx.runtime.training import TrainingRunner
+
+# torch's own message for a second backward through a freed graph.
+GRAPH_FREED = (
+    "Trying to backward through the graph a second time (or directly access saved tensors "
+    "after they have already been freed). Saved intermediate values of the graph are freed "
+    "when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
+    "backward through the graph a second time or if you need to access saved tensors after "
+    "calling backward."
+)
 
 
 class RunORT(torch.autograd.Function):
@@ -34,24 +44,38 @@ class RunORT(torch.autograd.Function):
             *(inputs[k] for k in runner.guarded_inputs),
             *(outputs[k] for k in runner.saved_outputs),
         )
+        # A second backward (retain_graph=True) runs the forward again on the same inputs:
+        # the saved ones above, and these (dropped by a backward that frees the graph).
+        guarded = set(runner.guarded_inputs)
+        ctx.unsaved = (
+            None
+            if runner.replay_refused is not None
+            else {k: t for k, t in enumerate(inputs) if k not in guarded}
+        )
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if ctx.run_state is None:
-            raise RuntimeError(
-                "ortfx: backward through the same ORT forward twice is not supported; "
-                "ORT frees its saved activations after the first backward. "
-                "Run the forward again instead of retain_graph=True."
-            )
         if torch.is_grad_enabled():
             # backward(create_graph=True) / autograd.grad(create_graph=True): ORT's gradient
             # graph is not itself differentiable by torch.
             raise OrtfxRuntimeError(HIGHER_ORDER_GRADIENTS)
-        ctx.saved_tensors  # noqa: B018 - triggers torch's in-place modification check
-        grads = ctx.runner.backward(ctx.run_state, grad_outputs, ctx.outputs_meta)
+        saved = ctx.saved_tensors  # torch's in-place modification check, as for eager ops
+        runner: TrainingRunner = ctx.runner
+        if ctx.run_state is None:
+            # A second backward: ORT's first one consumed the forward's state.
+            if runner.replay_refused is not None:
+                raise OrtfxRuntimeError(runner.replay_refused)
+            if ctx.unsaved is None:  # freed by a backward without retain_graph (torch's text)
+                raise RuntimeError(GRAPH_FREED)
+            inputs = dict(zip(runner.guarded_inputs, saved, strict=False))
+            inputs.update(ctx.unsaved)
+            _, ctx.run_state = runner.forward([inputs[k] for k in range(ctx.n_inputs)])
+        grads = runner.backward(ctx.run_state, grad_outputs, ctx.outputs_meta)
         ctx.run_state = None
+        if not backward_keeps_graph():
+            ctx.unsaved = None  # no backward can follow: let the inputs go
         result: list[torch.Tensor | None] = [None] * (ctx.n_inputs + 1)
-        for slot, grad in zip(ctx.runner.grad_slots, grads, strict=True):
+        for slot, grad in zip(runner.grad_slots, grads, strict=True):
             result[slot + 1] = grad
         return tuple(result)

@@ -17,7 +17,7 @@ import onnx
 import optree
 import torch
 
-from ortfx import io
+from ortfx import io, module_state
 from ortfx._torch import in_functorch_transform, user_modes
 from ortfx.errors import (
     BUFFER_REQUIRES_GRAD,
@@ -55,6 +55,7 @@ from ortfx.runtime.records import (
     Shell,
     invalidate,
 )
+from ortfx.runtime.replay import computed_from
 from ortfx.runtime.watch import Tracked
 from ortfx.schema import ModelSchema, TensorSpec, tensorize_scalars
 from ortfx.transitions import (
@@ -151,11 +152,12 @@ def run(
         hint = None
     causes: list[str] = []
     hops = 0
+    changes: module_state.Changes = ()
     while len(causes) <= MAX_RECOVERIES:
-        outcome = attempt(shell, module, args, kwargs, leaves, spec, hint)
+        outcome = attempt(shell, module, args, kwargs, leaves, spec, hint, changes)
         if not isinstance(outcome, Retry):
             return outcome
-        shell, hint = outcome.shell, outcome.hint
+        shell, hint, changes = outcome.shell, outcome.hint, outcome.changes
         # A discarded run of a guarded graph moves down its key's graphs, each hop at least
         # one value closer to the call's (see GuardHint): bounded by the graphs kept.
         if hint is not None and hops < shell.options.cache_size + MAX_RECOVERIES:
@@ -243,9 +245,11 @@ def attempt(
     leaves: list[Any],
     spec: optree.PyTreeSpec,
     hint: GuardHint | None = None,
+    changes: module_state.Changes = (),
 ) -> Outcome:
     """The slow path: key, decide, realize, then execute. ``hint``: what a discarded run of
-    a guarded graph said about this call (which graph to try, or to export, next)."""
+    a guarded graph said about this call (which graph to try, or to export, next);
+    ``changes``: the attribute changes of an earlier attempt's trace of this call."""
     shell, tracked = track(shell, module)
     state = shell.state
     io.check_leaves(leaves, spec, root="call", where="input")
@@ -259,16 +263,15 @@ def attempt(
     _check_input_devices(fed, call.key.schema, tracked.device)
     decision = decide(state, call)
     events.emit("decide", call, decision)
-    this_call = False
-    read = None
+    traced = None
     if isinstance(decision, Reuse):
         hit = state.lookup(call.key)
         assert hit is not None
         compiled = hit.payload
     else:
-        compiled, call, this_call, read = realize(
-            shell, module, decision, call, fed, tracked, args, kwargs
-        )
+        compiled, call, traced = realize(shell, module, decision, call, fed, tracked, args, kwargs)
+        if traced is not None:
+            changes = traced.changes
         static = _baked_dynamic_scalars(compiled.info, call.key.schema, tensorized)
         if static:
             # The module turned these tensors back into Python values (range(n), if n):
@@ -277,25 +280,31 @@ def attempt(
             return Retry(
                 attrs.evolve(shell, baked=shell.baked | set(static), fast=None),
                 f"{', '.join(static)} baked in",
+                changes=changes,
             )
     if compiled.writes:
         # The forward's own writes (warned): never a change behind its graph.
         tracked = tracked.with_fresh_attributes(compiled.writes)
         shell = attrs.evolve(shell, tracked=tracked)
-    if read is not None:  # a new trace: what it read outside is guarded
-        tracked = tracked.with_outside(read)
+    if traced is not None and traced.outside is not None:  # what a new trace read outside
+        tracked = tracked.with_outside(traced.outside)
         shell = attrs.evolve(shell, tracked=tracked)
     new_state = apply(state, call, decision, compiled)
-    result = execute(shell, module, fed, tracked, call, compiled, new_state, this_call)
+    result = execute(shell, module, fed, tracked, call, compiled, new_state, traced is not None)
     if isinstance(result, Retry):
-        return result
+        return attrs.evolve(result, changes=changes)
     output, after = result
+    # The graph ran this call: the attributes its traced forward set, as eager sets them.
+    module_state.apply(changes)
     after = attributes_seen(after)  # the export's own writes (warned) are the new baseline
     if shell.options.dynamic_scalars:
         return output, after
-    if after.state.entries[-1].key is call.key:
+    latest = after.state.entries[-1].key
+    if latest is call.key or latest == call.key:
+        # A reuse keeps the entry's own key object; the fast path checks that one by identity
+        # (else, once the fast path was dropped by a fallback, it never came back).
         now = signature_of(leaves, spec, module, state, tracked)
-        after = attrs.evolve(after, fast=FastPath(now, call))
+        after = attrs.evolve(after, fast=FastPath(now, attrs.evolve(call, key=latest)))
     return output, after
 
 
@@ -334,17 +343,9 @@ def _baked_dynamic_scalars(
     if not tensorized:
         return []
     model = onnx.load_model_from_string(info.model)
-    producers = {name: node for node in model.graph.node for name in node.output}
     guards = len(info.guards)
-    pending = [o.name for o in model.graph.output[: len(model.graph.output) - guards]]
-    consumed: set[str] = set()
-    while pending:  # everything the user outputs and the updates are computed from
-        name = pending.pop()
-        if name in consumed:
-            continue
-        consumed.add(name)
-        node = producers.get(name)
-        if node is not None:
-            pending.extend(node.input)
+    # everything the user outputs and the updates are computed from
+    outputs = [o.name for o in model.graph.output[: len(model.graph.output) - guards]]
+    consumed = computed_from(model.graph, outputs)
     fed = {spec.source: spec.name for spec in info.inputs if spec.kind is InputKind.USER}
     return [schema.paths[i] for i in tensorized if fed.get(i) not in consumed]

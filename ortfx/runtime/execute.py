@@ -65,6 +65,11 @@ def execute(
     if repinned is not None:
         return repinned
     info = compiled.info
+    if not info.output_names:
+        # The forward returns no tensor and changes none (only Python values, or None): there
+        # is nothing for ORT to compute, and its gradient builder refuses a graph without
+        # outputs.
+        return info.restore_outputs([], leaves), shell.with_state(new_state)
     if info.updates:
         _check_updated_inputs(info, leaves, call)
     inputs = info.construct_inputs_flat(leaves, tracked.named_tensors)

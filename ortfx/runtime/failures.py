@@ -15,7 +15,7 @@ from ortfx.errors import (
     UNSUPPORTED_OP,
     OrtfxEmptyTensorError,
     OrtfxError,
-    OrtfxInitError,
+    OrtfxGraphBuildError,
     OrtfxIOError,
     OrtfxRuntimeError,
     OrtfxUnsupportedOpError,
@@ -32,6 +32,7 @@ SESSION_FAILED = (
 # Where ORT's error texts name the node or the operator (gradient build and session creation).
 _NODE_IN_ERROR = (
     re.compile(r"node with name '([^']+)'"),
+    re.compile(r"in node \(([^)]+)\)"),  # a type error: "bound to different types ... in node (n)"
     re.compile(r"for node:? ?(\S+?)\.?(?:\s|$)"),
 )
 _OP_IN_ERROR = (
@@ -41,7 +42,13 @@ _OP_IN_ERROR = (
     re.compile(r"(\w+) and \w+Grad kernel"),
 )
 # The sentence of an ORT error after its C++ location and signature.
-_DETAIL_AFTER = ("was false. ", "NOT_IMPLEMENTED : ", "RUNTIME_EXCEPTION : ", "() const ")
+_DETAIL_AFTER = (
+    "was false. ",
+    "NOT_IMPLEMENTED : ",
+    "RUNTIME_EXCEPTION : ",
+    "FAIL : ",
+    "() const ",
+)
 
 
 def _detail(text: str) -> str:
@@ -154,7 +161,7 @@ def build_failed(model: bytes, error: Exception) -> OrtfxError:
     named = unsupported_op(model, error, what="differentiate")
     if named is not None:
         return named
-    return OrtfxInitError(GRADIENT_BUILD_FAILED.format(error=first_line(error)))
+    return OrtfxGraphBuildError(GRADIENT_BUILD_FAILED.format(error=first_line(error)))
 
 
 def first_line(error: Exception) -> str:

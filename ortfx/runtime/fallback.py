@@ -12,6 +12,7 @@ from ortfx.errors import (
     OrtfxDeviceError,
     OrtfxError,
     OrtfxExportError,
+    OrtfxGraphBuildError,
     OrtfxIOError,
     OrtfxRuntimeError,
     OrtfxTorchModelError,
@@ -35,6 +36,9 @@ _FALLBACK_FLAGS: tuple[tuple[type[OrtfxError], FallbackPolicy], ...] = (
     (OrtfxDeviceError, FallbackPolicy.UNSUPPORTED_DEVICE),
     (OrtfxTorchModelError, FallbackPolicy.UNSUPPORTED_TORCH_MODEL),
     (OrtfxExportError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
+    # ORT cannot build or open this graph (gradient build, session): the graph's property,
+    # unlike the other init errors (ORT missing, ZeRO-3 not configured), which no call fixes.
+    (OrtfxGraphBuildError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
     (OrtfxRuntimeError, FallbackPolicy.UNSUPPORTED_ONNX_MODEL),
     (OrtfxError, FallbackPolicy.BAD_INITIALIZATION),
 )

@@ -165,12 +165,14 @@ def context_of(shell: Shell, module: torch.nn.Module, tracked: Tracked) -> CallC
 def fallback_key(
     args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module | None = None
 ) -> Hashable:
-    """What makes a call "the same" for fallback: structure, static values, tensor kinds and
-    devices, every global of :data:`GLOBALS` and the module's train/eval mode."""
+    """What makes a call "the same" for fallback: structure, static values, tensor kinds
+    (dtype, rank, requires_grad, device, layout, tensor class), every global of
+    :data:`GLOBALS` and the module's train/eval mode."""
     leaves, spec = io.flatten(io.call_tree(args, kwargs))
-    # The device too: one input on 'meta' must not send later CPU calls to PyTorch.
+    # Whatever a call's failure may depend on: one input on 'meta', one sparse input or one
+    # that requires grad must not send later dense CPU calls to PyTorch.
     kinds = tuple(
-        (leaf_spec(x), x.device.type)
+        (leaf_spec(x), x.requires_grad, x.device.type, x.layout, type(x))
         if isinstance(x, torch.Tensor)
         else leaf_spec(x)
         if isinstance(x, STATIC_TYPES)

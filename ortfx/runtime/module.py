@@ -117,6 +117,12 @@ class ORTModule(torch.nn.Module):
                 )
             )
 
+    # inspect (help(), IDEs, docs) reads __new__ first: show the constructor's parameters, not
+    # the (module=None, *args, **kwargs) that __new__ takes to pick the per-class subclass.
+    __new__.__signature__ = inspect.signature(__init__).replace(  # type: ignore[attr-defined]
+        return_annotation=inspect.Signature.empty
+    )
+
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped user module."""

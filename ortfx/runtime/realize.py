@@ -25,7 +25,6 @@ from ortfx.export import (
 )
 from ortfx.keys import Call, Decision, Reexport, Reuse, Transition, decision_name
 from ortfx.model_info import PostExportProcessedModelInfo
-from ortfx.outside import Outside
 from ortfx.runtime import disk_cache, events, logs, partitioned, watch
 from ortfx.runtime.execute import tensor_sizes
 from ortfx.runtime.logs import WrapperLog
@@ -48,23 +47,23 @@ def realize(
     tracked: Tracked,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Compiled, Call, bool, Outside | None]:
+) -> tuple[Compiled, Call, Traced | None]:
     """Export (or reuse an entry's graph for a new session); the old state stays valid if this
-    raises. The call comes back with the key its entry gets (grad mode added when the export
-    found the module asking for it), whether the graph was traced from this very call (its
-    guards then hold this call's values as PyTorch computes them), and what the trace read
-    outside the call (None without one)."""
+    raises, and the module is as it was (the trace's attribute changes are undone). The call
+    comes back with the key its entry gets (grad mode added when the export found the module
+    asking for it), and what the trace found when the graph was traced from this very call
+    (its guards then hold this call's values as PyTorch computes them; its attribute changes
+    are to be made once the graph has run), else None."""
     assert not isinstance(decision, Reuse)
     timings = Timings()
-    this_call = False
+    this_call: Traced | None = None
     pinned: tuple[tuple[int, ...], ...] | None = None
     writes: tuple[tuple[int, str], ...] = ()
-    read: Outside | None = None
     if isinstance(decision, Reexport):
         # Bind first: a wrong call raises the same TypeError PyTorch would, before export.
         inspect.signature(module.forward).bind(*args, **kwargs)
         info, timings, traced = _export(shell, module, call, leaves)
-        writes, this_call, read = traced.writes, traced.this_call, traced.outside
+        writes, this_call = traced.writes, traced if traced.this_call else None
         if traced.numbers_from_tensors and _returns_numbers(info):
             pinned = tensor_sizes(leaves, call)
             logs.sizes_pinned(shell.log, pinned)
@@ -99,7 +98,6 @@ def realize(
         ),
         call,
         this_call,
-        read,
     )
 
 
@@ -189,6 +187,7 @@ def _export(
         tuple((id(m), name) for m, name in writes),
         outside=exported.outside,
         this_call=True,
+        changes=exported.changes,
     )
     return info, timings, traced
 

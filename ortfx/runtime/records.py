@@ -11,6 +11,7 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from ortfx import module_state
 from ortfx.export import (
     resolve_exporter,
 )
@@ -179,6 +180,9 @@ class Traced:
     # The trace ran this call's own inputs (not a graph from the disk cache): the values its
     # guards hold are what PyTorch computed for this call (ORT's may differ by rounding).
     this_call: bool = False
+    # Every attribute change the traced forward made, undone after the trace: made again
+    # once this call's graph has run in ORT (a failed attempt leaves the module as it was).
+    changes: module_state.Changes = attrs.field(default=(), eq=False)
 
 
 @attrs.frozen
@@ -189,6 +193,9 @@ class Retry:
     cause: str
     # A discarded run of a guarded graph: which graph the next attempt tries (or exports).
     hint: GuardHint | None = None
+    # The attribute changes of this call's trace, if one ran: the attempt whose graph runs
+    # the call makes them (a later attempt may reuse a graph instead of tracing again).
+    changes: module_state.Changes = attrs.field(default=(), eq=False)
 
 
 class CallFailed(Exception):

@@ -16,6 +16,7 @@ import torch
 
 from ortfx import aten
 from ortfx.errors import (
+    OrtfxGraphBuildError,
     OrtfxInitError,
 )
 from ortfx.model_info import PostExportProcessedModelInfo
@@ -48,7 +49,9 @@ def _session(
         if named is not None:
             raise named from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise OrtfxInitError(SESSION_FAILED.format(kind=kind, error=first, device=device)) from e
+        raise OrtfxGraphBuildError(
+            SESSION_FAILED.format(kind=kind, error=first, device=device)
+        ) from e
 
 
 def session_options(

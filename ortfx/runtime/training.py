@@ -24,7 +24,7 @@ from ortfx.errors import (
 from ortfx.function_names import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import LogLevel, Options
-from ortfx.runtime import disk_cache, memgrad, pythonop
+from ortfx.runtime import disk_cache, memgrad, pythonop, replay
 from ortfx.runtime.dlpack import to_ort, to_torch
 from ortfx.runtime.failures import build_failed, check_not_empty, feed_error, first_line, run_failed
 from ortfx.runtime.logs import wrapper_log
@@ -201,6 +201,9 @@ class TrainingRunner:
     # (output position, value) of the guard outputs ORT folded into constants (see
     # _build_reachable): the forward puts their values back where ortfx expects them.
     constants: tuple[tuple[int, torch.Tensor], ...] = ()
+    # Why a second backward through one forward cannot run the forward again (see
+    # ortfx.runtime.replay); None when it can.
+    replay_refused: str | None = None
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -461,6 +464,7 @@ def _open_training(
             (k for k, spec in enumerate(info.inputs) if spec.kind is InputKind.TRIGGER), None
         ),
         owned_grads=owned,
+        replay_refused=replay.refusal(info, python_ops=bool(functions)),
     )
 
 
