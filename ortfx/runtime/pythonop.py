@@ -39,7 +39,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from ortfx import _torch
 from ortfx.errors import OrtfxInitError
-from ortfx.runtime import memgrad, openmp
+from ortfx.runtime import function_grads, memgrad, openmp
 
 BRIDGE_MISSING = (
     "the exported graph runs custom torch.autograd.Function(s) {names} as ORT PythonOp nodes, "
@@ -82,11 +82,14 @@ class _Kept:
 
     outputs: tuple[torch.Tensor | None, ...]  # as the Function returned them (with grad_fn)
     leaves: tuple[torch.Tensor | None, ...]  # per argument: the leaf grads flow to, or None
+    tensors: tuple[bool, ...]  # per argument: whether it is a tensor
     saved: list[_Box]  # what ctx.save_for_backward stored
 
     def drop(self, node: Any) -> None:
-        """Free what the ctx reaches: ORT 1.19 keeps a ctx whose backward never ran, and a
-        ctx keeps its autograd node, whose input edges keep the input leaves."""
+        """Free what the ctx reaches, once its backward has run or can no longer run: ORT 1.19
+        keeps a ctx whose backward never ran, a ctx keeps its autograd node, whose input edges
+        keep the input leaves, and a Function may have made cycles through it (``ctx.out =
+        out``) that only the garbage collector would break."""
         for box in self.saved:
             box.tensor = None
         vars(node).clear()
@@ -279,7 +282,10 @@ def _forward(
     saved: list[_Box] = []
 
     def pack(tensor: torch.Tensor) -> _Box:
-        saved.append(_Box(tensor))
+        # Detached: a saved *output* holds its grad_fn, this very node, which holds the box,
+        # a cycle through C++ that the garbage collector cannot see (every step's ctx and
+        # inputs stayed alive). torch gives the unpacked tensor its autograd metadata back.
+        saved.append(_Box(tensor.detach()))
         return saved[-1]
 
     with torch.set_grad_enabled(training), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
@@ -298,7 +304,9 @@ def _forward(
         token = next(_TOKENS)
         node._ortfx_token = token  # type: ignore[attr-defined]
         with _LOCK:
-            _CONTEXTS[token] = _Kept(tuple(outputs), tuple(leaves), saved)
+            _CONTEXTS[token] = _Kept(
+                tuple(outputs), tuple(leaves), tuple(f == 1 for f in tensor_flags), saved
+            )
         assert run is not None
         run.append(token)
         result[0] = node
@@ -335,6 +343,18 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
             f"ortfx PythonOp: no kept forward for {type(ctx).__name__}; its backward ran twice "
             "or after the bridge was torn down"
         )
+    try:
+        returned = _kept_backward(ctx, kept, grads)
+        storages = _storages(grads)
+        return [_capsule(r, storages) for r in returned]
+    finally:
+        kept.drop(ctx)  # nothing of this forward is needed any more
+
+
+def _kept_backward(
+    ctx: Any, kept: _Kept, grads: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """One gradient per forward argument: a tensor for each leaf, else None."""
     differentiable = [
         (o, g)
         for o, g in zip(kept.outputs, grads, strict=True)
@@ -345,16 +365,22 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         len(differentiable) == len(grads) and all(g is not None for _, g in differentiable)
     ):
         # Every output has its grad: nothing to materialize, so call backward directly, as
-        # the engine would (about 3x cheaper than going through it).
+        # the engine would (about 3x cheaper than going through it), and check what it
+        # returned as the engine does.
         with torch.no_grad():
-            direct = _as_tuple(_torch.function_class(ctx).backward(ctx, *grads))
-        storages = _storages(grads)
-        return [
-            _capsule(r, storages) if leaf is not None else None
-            for r, leaf in zip(direct, kept.leaves, strict=True)
-        ]
+            direct = _torch.function_class(ctx).backward(ctx, *grads)
+        if function_grads.fits(direct, kept.leaves):
+            values = direct if isinstance(direct, tuple) else (direct,)
+            return [
+                r if leaf is not None else None for r, leaf in zip(values, kept.leaves, strict=True)
+            ]
+        with torch.no_grad():
+            return function_grads.eager_gradients(
+                type(ctx).__name__, direct, kept.leaves, kept.tensors
+            )
     # Otherwise the eager engine over the kept outputs: materialized grads, non-differentiable
-    # outputs and dirty inputs behave exactly as in PyTorch.
+    # outputs, dirty inputs and the checks of what backward returned behave exactly as in
+    # PyTorch.
     pairs = [(o, g) for o, g in differentiable if g is not None]
     targets = [leaf for leaf in kept.leaves if leaf is not None]
     found: list[torch.Tensor | None]
@@ -366,12 +392,13 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
                 )
             )
     else:
-        # No grad reached any output: eager would not run this backward at all, so the inputs
-        # get nothing from it; ORT wants a tensor per input that requires grad, so zeros.
-        found = [torch.zeros_like(t) for t in targets]
-    by_position = iter(found)
-    returned = [next(by_position) if leaf is not None else None for leaf in kept.leaves]
-    return [_capsule(r, _storages(grads)) for r in returned]
+        # No grad reached any output: eager would not run this backward at all.
+        found = [None] * len(targets)
+    # None (no gradient from here) is zeros to ORT, which wants a tensor per such input.
+    filled = iter(
+        torch.zeros_like(t) if f is None else f for f, t in zip(found, targets, strict=True)
+    )
+    return [next(filled) if leaf is not None else None for leaf in kept.leaves]
 
 
 def forward_runner(

@@ -1,0 +1,120 @@
+"""What a custom Function's ``backward`` returned, checked and shaped the way torch's engine does.
+
+ORT's ``PythonOpGrad`` wants exactly one tensor per forward input that requires grad, of that
+input's shape and dtype. Eager PyTorch accepts more than that, and rejects some values with its
+own messages; :func:`eager_gradients` applies eager's rules (``validate_outputs`` and the
+custom-Function checks of torch's engine) to the values the bridge called ``backward`` for
+directly, so that every value eager accepts trains the same, and every value it rejects raises
+its error text:
+
+* extra trailing ``None``\\ s are dropped; any other count raises eager's "incorrect number of
+  gradients";
+* a non-tensor that is not ``None`` raises "expected Variable or None";
+* a gradient for a non-tensor argument raises eager's "different than None" error; one for a
+  tensor that does not require grad is ignored, as eager does;
+* a gradient of another dtype is cast to the input's; of a shape the input expands to, summed
+  down to it; any other shape raises eager's "invalid gradient";
+* ``None`` for an input that requires grad is eager's "no gradient from here", which ORT can
+  only express as zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+WRONG_COUNT = "function {name} returned an incorrect number of gradients (expected {n}, got {got})"
+NOT_A_TENSOR = "expected Variable or None (got {kind})"
+NOT_A_VARIABLE = (
+    "function {name} returned a gradient different than None at position {position}, but the "
+    "corresponding forward input was not a Variable"
+)
+WRONG_SHAPE = (
+    "Function {name} returned an invalid gradient at index {index} - got {got} but expected "
+    "shape compatible with {expected}"
+)
+WRONG_KIND = (
+    "Function {name} returned an invalid gradient at index {index} - expected dtype {expected} "
+    "but got {got} (a complex gradient for a real input, or the reverse)"
+)
+
+
+def _expands_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (torch's ``is_expandable_to``)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == t or s == 1 for s, t in zip(reversed(shape), reversed(target), strict=False))
+
+
+def _fitted(name: str, index: int, grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    if grad.shape != leaf.shape:
+        if not _expands_to(leaf.shape, grad.shape):
+            raise RuntimeError(
+                WRONG_SHAPE.format(
+                    name=name, index=index, got=list(grad.shape), expected=list(leaf.shape)
+                )
+            )
+        grad = grad.sum_to_size(leaf.shape)
+    if grad.dtype != leaf.dtype:
+        if not grad.is_floating_point() and grad.is_complex() != leaf.is_complex():
+            raise RuntimeError(
+                WRONG_KIND.format(name=name, index=index, expected=leaf.dtype, got=grad.dtype)
+            )
+        grad = grad.to(leaf.dtype)
+    if grad.device != leaf.device:
+        grad = grad.to(leaf.device)
+    return grad
+
+
+def eager_gradients(
+    name: str,
+    returned: Any,
+    leaves: Sequence[torch.Tensor | None],
+    tensors: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """One gradient per forward argument: a tensor for each that requires grad, else None.
+
+    ``name`` is the autograd node's name (``FooBackward``), as eager's messages give it;
+    ``leaves[i]`` is the tensor argument ``i`` that requires grad (None otherwise);
+    ``tensors[i]`` says argument ``i`` was a tensor.
+    """
+    values = returned if isinstance(returned, tuple) else (returned,)
+    n = len(leaves)
+    if len(values) > n and all(v is None for v in values[n:]):
+        values = values[:n]
+    if len(values) != n:
+        raise RuntimeError(WRONG_COUNT.format(name=name, n=n, got=len(values)))
+    result: list[torch.Tensor | None] = []
+    for index, (value, leaf, is_tensor) in enumerate(zip(values, leaves, tensors, strict=True)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise RuntimeError(NOT_A_TENSOR.format(kind=type(value).__name__))
+        if value is not None and not is_tensor:
+            raise RuntimeError(NOT_A_VARIABLE.format(name=name, position=index))
+        if leaf is None:
+            result.append(None)  # eager drops a gradient for an input that needs none
+        elif value is None:
+            result.append(torch.zeros_like(leaf))
+        else:
+            result.append(_fitted(name, index, value, leaf))
+    return result
+
+
+def fits(returned: Any, leaves: Sequence[torch.Tensor | None]) -> bool:
+    """The common case, cheap to check: one value per argument, and a tensor of the input's
+    own shape, dtype and device for each input that requires grad."""
+    if not isinstance(returned, tuple) or len(returned) != len(leaves):
+        return len(leaves) == 1 and _same(returned, leaves[0])
+    return all(_same(value, leaf) for value, leaf in zip(returned, leaves, strict=True))
+
+
+def _same(value: Any, leaf: torch.Tensor | None) -> bool:
+    if leaf is None:
+        return value is None
+    return (
+        isinstance(value, torch.Tensor)
+        and value.shape == leaf.shape
+        and value.dtype == leaf.dtype
+        and value.device == leaf.device
+    )

@@ -1,0 +1,276 @@
+"""Custom autograd.Functions (PythonOp) keep eager PyTorch's contracts, or refuse loudly.
+
+Each test runs the same module in plain PyTorch and through ortfx and compares outputs,
+gradients, dtypes, ``requires_grad`` and exceptions (type and text); numbers within 1e-6,
+relative to the largest magnitude once that exceeds 1. Where ortfx cannot do what eager does,
+the test checks the typed ortfx error that names the Function and the argument.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ortfx
+from ortfx.runtime import pythonop
+from tests.models import max_diff
+
+TOL = 1e-6
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+
+
+def close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    assert b is not None
+    return max_diff(a, b) <= TOL * max(1.0, float(b.detach().abs().max()))
+
+
+class Body(nn.Module):
+    """Linear -> ``body(h, w)`` -> outputs, so gradients cross the Function both ways."""
+
+    def __init__(self, body: Callable[..., Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4))
+        self.body = body
+
+    def forward(self, x: torch.Tensor, *extra: Any) -> Any:
+        return self.body(self.a(x), self.w, *extra)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum(
+        ((o.float() * o.float()).sum() for o in outs if o.is_floating_point() and o.requires_grad),
+        torch.zeros(()),
+    )
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_like_eager(body: Callable[..., Any], *extra: Any, steps: int = 3) -> None:
+    """Outputs (values, dtypes, requires_grad) and all gradients equal eager's, every step."""
+    model = Body(body)
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    for step in range(steps):
+        x = torch.randn(3, 4)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_a, out_b = wrapped(xa, *extra), reference(xb, *extra)
+        flat_a = out_a if isinstance(out_a, tuple) else (out_a,)
+        flat_b = out_b if isinstance(out_b, tuple) else (out_b,)
+        for oa, ob in zip(flat_a, flat_b, strict=True):
+            assert oa.dtype == ob.dtype, (step, oa.dtype, ob.dtype)
+            assert oa.requires_grad == ob.requires_grad, (step, oa.requires_grad)
+            assert close(oa, ob), ("output", step, max_diff(oa, ob))
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        _loss(out_a).backward()
+        _loss(out_b).backward()
+        assert pythonop.live_contexts() == 0
+        assert close(xa.grad, xb.grad), ("input grad", step)
+        for ga, gb in zip(_grads(model), _grads(reference), strict=True):
+            assert close(ga, gb), ("parameter grad", step)
+
+
+# ---- lifetime -----------------------------------------------------------------------------------
+
+_LIVE: list[weakref.ref[Any]] = []
+
+
+def _watched(ctx: Any, x: torch.Tensor) -> None:
+    _LIVE.append(weakref.ref(ctx))
+    _LIVE.append(weakref.ref(x))
+
+
+class SavesOutput(torch.autograd.Function):
+    """The activation pattern of the issue: the output saved for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        _watched(ctx, x)
+        out = torch.tanh(x + bias)
+        ctx.save_for_backward(x, bias, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _x, _bias, out = ctx.saved_tensors
+        grad = g * (1 - out * out)
+        return grad, grad.sum(0)
+
+
+class SavesOutputOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _watched(ctx, x)
+        out = torch.sigmoid(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return g * out * (1 - out)
+
+
+class SavesInputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _watched(ctx, x)
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class KeepsTensorsOnCtx(torch.autograd.Function):
+    """Tensors as ctx attributes: the input, and the output (a cycle in eager too)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _watched(ctx, x)
+        out = x.exp()
+        ctx.x, ctx.out = x, out
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * ctx.out
+
+
+def _all_patterns(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = SavesOutput.apply(h, w)
+    h = SavesOutputOnly.apply(h) + SavesInputs.apply(h)
+    return KeepsTensorsOnCtx.apply(h * 0.1)
+
+
+def test_a_thousand_steps_keep_no_context_and_no_input_alive() -> None:
+    """Fails on the baseline: a Function that saved its own output kept every step's ctx and
+    inputs alive (a cycle through the autograd node that gc cannot see): 30 steps, 30 of each.
+    Now, after every backward, no ctx and no input of any Function is alive, without a gc pass,
+    for outputs saved, inputs saved, both, and tensors kept as ctx attributes."""
+    assert_like_eager(_all_patterns, steps=2)
+    model = Body(_all_patterns)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    x = torch.randn(3, 4)
+    wrapped(x).sum().backward()  # the export (its trace makes eager's cycles, for gc)
+    gc.collect()
+    _LIVE.clear()
+    gc.disable()
+    try:
+        for step in range(1000):
+            wrapped(x).sum().backward()
+            if step % 100 == 99:
+                alive = [r for r in _LIVE if r() is not None]
+                assert not alive, (step, len(alive), len(_LIVE))
+                assert pythonop.live_contexts() == 0
+        assert len(_LIVE) == 1000 * 4 * 2
+    finally:
+        gc.enable()
+        _LIVE.clear()
+
+
+# ---- what backward returns ----------------------------------------------------------------------
+
+
+def _returning(grads: Callable[[torch.Tensor], Any]) -> Callable[..., Any]:
+    class Returns(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return x * w
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> Any:
+            return grads(g)
+
+    return lambda h, w: Returns.apply(h, w) + h
+
+
+ACCEPTED = {
+    "extra trailing Nones": lambda g: (g * 2, g.sum(0), None, None),
+    "float64 for float32 inputs": lambda g: ((g * 2).double(), g.sum(0).double()),
+    "int64 for a float32 input": lambda g: ((g * 2).long(), g.sum(0)),
+    "shapes that sum down to the inputs'": lambda g: ((g * 2)[None], g.sum(0, keepdim=True)),
+}
+
+
+@pytest.mark.parametrize("grads", ACCEPTED.values(), ids=ACCEPTED.keys())
+def test_backward_values_eager_accepts_train_as_in_eager(
+    grads: Callable[[torch.Tensor], Any],
+) -> None:
+    """Fails on the baseline: each crashed every step (ORT's Gemm_Grad, or a bare
+    ``ValueError: zip() ...``)."""
+    assert_like_eager(_returning(grads))
+
+
+REJECTED = {
+    "too few": (lambda g: (g * 2,), "incorrect number of gradients (expected 2, got 1)"),
+    "a lone tensor": (lambda g: g * 2, "incorrect number of gradients (expected 2, got 1)"),
+    "too many": (
+        lambda g: (g, g.sum(0), g),
+        "incorrect number of gradients (expected 2, got 3)",
+    ),
+    "not a tensor": (lambda g: (g, 3), "expected Variable or None (got int)"),
+    "a wrong shape": (
+        lambda g: (g.sum(0), g.sum(0)),
+        "invalid gradient at index 0 - got [4] but expected shape compatible with [3, 4]",
+    ),
+    "a shape that does not sum down": (
+        lambda g: (g.sum(0, keepdim=True), g.sum(0)),
+        "invalid gradient at index 0 - got [1, 4] but expected shape compatible with [3, 4]",
+    ),
+}
+
+
+@pytest.mark.parametrize(("grads", "text"), REJECTED.values(), ids=REJECTED.keys())
+def test_backward_values_eager_rejects_raise_eagers_error(
+    grads: Callable[[torch.Tensor], Any], text: str
+) -> None:
+    """Fails on the baseline (a bare zip() ValueError, or ORT's kernel error). Now eager's
+    exception type and text, the ctx released, and the wrapper usable afterwards."""
+    model = Body(_returning(grads))
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError) as eager:
+        reference(x).sum().backward()
+    assert text in str(eager.value)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    with pytest.raises(RuntimeError) as ours:
+        wrapped(x).sum().backward()
+    assert type(ours.value) is type(eager.value)
+    assert str(ours.value) == str(eager.value)
+    assert pythonop.live_contexts() == 0
+    with torch.no_grad():
+        assert close(wrapped(x), reference(x))
+
+
+def test_none_for_an_input_that_requires_grad_is_no_gradient_from_there() -> None:
+    """Fails on the baseline: ORT's Gemm_Grad crashed every step. Eager treats None as "no
+    gradient from this path"; the gradients that do flow are eager's."""
+    body = _returning(lambda g: (None, g.sum(0)))
+    model = Body(body)
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        wrapped(x).sum().backward()
+        reference(x).sum().backward()
+        for (name, pa), (_, pb) in zip(
+            model.named_parameters(), reference.named_parameters(), strict=True
+        ):
+            assert close(pa.grad, pb.grad), name
