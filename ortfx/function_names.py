@@ -4,11 +4,17 @@ writes them into PythonOp nodes) and ORT's runner (which registers the classes u
 The graph name is the fully qualified class name; a second class with the same name (a class
 defined again by a factory) gets a ``#n`` suffix, so ORT never runs the wrong one. A graph can
 name only classes this process exported.
+
+A node's ``func_name`` is the graph name, plus ``|bool=i,j`` when arguments ``i, j`` of its
+``apply`` are bool tensors: ORT hands bool tensors to the runner as uint8 (DLPack has no bool in
+ORT 1.19), and the name is the only per-node text ORT passes to the runner.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Sequence
 
 import onnx
 
@@ -35,6 +41,24 @@ def function_graph_name(cls: type) -> str:
         return name
 
 
+_BOOL = "|bool="
+
+
+def node_function_name(cls: type, bool_arguments: Sequence[int]) -> str:
+    """A PythonOp node's ``func_name``: ``cls``'s graph name, and its bool tensor arguments."""
+    name = function_graph_name(cls)
+    if not bool_arguments:
+        return name
+    return f"{name}{_BOOL}{','.join(map(str, bool_arguments))}"
+
+
+@functools.lru_cache(maxsize=1024)
+def bool_arguments(func_name: str) -> frozenset[int]:
+    """The positions of the bool tensor arguments a node's ``func_name`` names."""
+    _, _, positions = func_name.partition(_BOOL)
+    return frozenset(int(p) for p in positions.split(",")) if positions else frozenset()
+
+
 def pythonop_functions(model: bytes) -> dict[str, type]:
     """The Function classes the PythonOp nodes of a serialized model run, by graph name."""
     if b"PythonOp" not in model:
@@ -46,10 +70,11 @@ def pythonop_functions(model: bytes) -> dict[str, type]:
         for a in node.attribute
         if a.name == "func_name"
     }
-    missing = names - _FUNCTIONS.keys()
+    classes = {name: _FUNCTIONS.get(name.partition(_BOOL)[0]) for name in names}
+    missing = sorted(name for name, cls in classes.items() if cls is None)
     if missing:
         raise OrtfxExportError(
-            f"the graph runs autograd.Function(s) {sorted(missing)} that this process never "
+            f"the graph runs autograd.Function(s) {missing} that this process never "
             "exported; PythonOp graphs can only run in the process that exported them."
         )
-    return {name: _FUNCTIONS[name] for name in names}
+    return {name: cls for name, cls in classes.items() if cls is not None}

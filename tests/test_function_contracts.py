@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
 
 
 def close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    assert b is not None
+    assert a is not None and b is not None
+    if not b.is_floating_point():
+        return torch.equal(a, b)
     return max_diff(a, b) <= TOL * max(1.0, float(b.detach().abs().max()))
 
 
@@ -274,3 +277,175 @@ def test_none_for_an_input_that_requires_grad_is_no_gradient_from_there() -> Non
             model.named_parameters(), reference.named_parameters(), strict=True
         ):
             assert close(pa.grad, pb.grad), name
+
+
+# ---- dtypes crossing the Function ---------------------------------------------------------------
+
+
+class Through(torch.autograd.Function):
+    """Records the dtypes it is given; returns its float input scaled and the others as is."""
+
+    seen: ClassVar[list[tuple[torch.dtype, ...]]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *others: torch.Tensor) -> Any:
+        Through.seen.append(tuple(o.dtype for o in others))
+        return (x * 2, *(o.clone() for o in others))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, *rest: Any) -> tuple[torch.Tensor | None, ...]:
+        return (g * 3, *(None for _ in rest))
+
+
+DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float64,
+)
+
+
+def test_every_dtype_reaches_the_function_and_comes_back_as_passed() -> None:
+    """Fails on the baseline: a bool argument reached the Function as uint8, and a bool output
+    was refused by ORT ("Unsupported code 6"). Every other dtype, in the same call, too."""
+    Through.seen.clear()
+    others = [(torch.arange(12).reshape(3, 4) % 3).to(dtype) for dtype in DTYPES]
+    assert_like_eager(lambda h, w, *o: Through.apply(h * w, *o), *others)
+    assert Through.seen and set(Through.seen) == {DTYPES}, Through.seen
+
+
+class Masked(torch.autograd.Function):
+    """The issue's case: ``~mask`` inside the Function (on uint8: 254/255, not False/True)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = (~mask).to(x.dtype)
+        ctx.save_for_backward(keep)
+        return x * keep + mask.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (keep,) = ctx.saved_tensors
+        return g * keep, None
+
+
+def test_a_bool_mask_argument_is_a_bool_tensor_inside_the_function() -> None:
+    """Fails on the baseline: the output was off by 227 (``~`` of a uint8 1 is 254)."""
+    mask = torch.tensor([[True, False, True, False]] * 3)
+    assert_like_eager(lambda h, w, m: Masked.apply(h + w, m), mask)
+
+
+class BoolOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x > 0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _g_mask: Any) -> torch.Tensor:
+        return g * 3
+
+
+def test_a_bool_output_is_a_bool_tensor_inside_and_outside_the_graph() -> None:
+    """Fails on the baseline: ORT refused the bool output ("Unsupported code 6"). The graph
+    uses it as a bool (``~``, ``where``) and returns it."""
+
+    def body(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, positive = BoolOut.apply(h * w)
+        return torch.where(~positive, y, y * 5), positive
+
+    assert_like_eager(body)
+
+
+class NonDifferentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rounded = x.round()
+        ctx.mark_non_differentiable(rounded)
+        return x * 2, rounded
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, g_rounded: Any) -> torch.Tensor:
+        return g * 3
+
+
+def test_mark_non_differentiable_outputs_do_not_require_grad() -> None:
+    """Fails on the baseline: the marked output (and what the graph computed from it alone)
+    required grad through ortfx. Now eager's flags, and no gradient flows through it."""
+
+    def body(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, rounded = NonDifferentiable.apply(h * w)
+        return y, rounded, rounded * 3 + 1, y * rounded
+
+    assert_like_eager(body)
+
+
+# ---- what the graph cannot carry: refused, naming the Function ---------------------------------
+
+
+class SumsList(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, extras: Any, scale: float) -> torch.Tensor:
+        tensors = extras.values() if isinstance(extras, dict) else extras
+        if isinstance(extras, list) and extras and isinstance(extras[0], list):
+            tensors = extras[0]
+        return x * scale + sum(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g, None, None
+
+
+CONTAINERS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "list": lambda h, w: [h * w, w],
+    "tuple": lambda h, w: (h * w, w),
+    "dict": lambda h, w: {"a": h * w, "b": w},
+    "nested list": lambda h, w: [[h * w, w]],
+}
+
+
+@pytest.mark.parametrize("make", CONTAINERS.values(), ids=CONTAINERS.keys())
+def test_tensors_inside_a_container_argument_are_refused_naming_function_and_argument(
+    make: Callable[[torch.Tensor, torch.Tensor], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fails on the baseline: the container was kept as the exporting call's object, so every
+    later call used that call's tensors (off by 0.36 at step 2). Now a typed error naming the
+    Function and the argument; under the default policy the module runs in PyTorch, loudly,
+    with eager's values."""
+    body = lambda h, w: SumsList.apply(h, make(h, w), 0.5)  # noqa: E731
+    wrapped = ortfx.ORTModule(Body(body), options=STRICT)
+    with pytest.raises(ortfx.OrtfxExportError, match=r"SumsList .* as argument 1 of apply"):
+        wrapped(torch.randn(3, 4))
+
+    model = Body(body)
+    reference = copy.deepcopy(model)
+    fallback = ortfx.ORTModule(model)
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            assert close(fallback(x), reference(x))
+    assert "falling back to PyTorch" in caplog.text and "SumsList" in caplog.text
+    assert ortfx.stats(fallback).fallback_calls == 2
+
+
+class ReturnsAnInt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return x * 2, 7
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _count: Any) -> torch.Tensor:
+        return g * 3
+
+
+def test_a_non_tensor_output_is_refused_naming_the_function_and_output() -> None:
+    """Fails on the baseline: "a tensor of type None", which named no output and misled."""
+    wrapped = ortfx.ORTModule(Body(lambda h, w: ReturnsAnInt.apply(h * w)[0]), options=STRICT)
+    with pytest.raises(ortfx.OrtfxExportError) as refused:
+        wrapped(torch.randn(3, 4))
+    text = str(refused.value)
+    assert "ReturnsAnInt returns a value that is not a tensor as output 1" in text
+    assert "torch.tensor(value)" in text

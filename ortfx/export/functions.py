@@ -21,10 +21,38 @@ import torch
 
 from ortfx import _torch
 from ortfx.errors import OrtfxExportError
-from ortfx.function_names import function_graph_name
+from ortfx.export import symbolics
+from ortfx.function_names import function_graph_name, node_function_name
 
 # Non-numeric constant arguments reach ORT as object addresses: keep the objects alive.
 _CONSTANTS: dict[int, Any] = {}
+
+TENSORS_IN_CONTAINER = (
+    "the autograd.Function {name} is given tensor(s) inside a {kind} as argument {position} "
+    "of apply() (counting from 0). ORT's PythonOp carries only tensors passed directly to "
+    "apply() through the graph; a container is kept as the object of the exporting call, so "
+    "every later call would see that call's tensors. Pass each tensor as its own argument "
+    "({name}.apply(x, *tensors)), or let ortfx run the module in PyTorch (the fallback policy "
+    "UNSUPPORTED_ONNX_MODEL, on by default)."
+)
+NOT_A_TENSOR_OUTPUT = (
+    "the autograd.Function {name} returns a value that is not a tensor as output {position} "
+    "(counting from 0): a Python number, None or another object. ORT's PythonOp returns "
+    "tensors only, and the traced graph would keep the exporting call's value. Return it as a "
+    "tensor (torch.tensor(value)) or compute it outside the Function, or let ortfx run the "
+    "module in PyTorch (the fallback policy UNSUPPORTED_ONNX_MODEL, on by default)."
+)
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
 
 # ONNX element types of the TorchScript scalar types a PythonOp input or output can have.
 _ONNX_TYPES = {
@@ -116,9 +144,13 @@ def pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         attributes.setdefault(f"input_{kind}_tuples_{suffix}", []).extend(values)
         attributes.setdefault(f"input_{kind}_tuple_positions_i", []).append(position)
 
+    name = cls.__qualname__
+    bools: list[int] = []
     for position, (arg, convention) in enumerate(zip(args, cconv, strict=True)):
         if convention == "d":
             tensors.append(arg)
+            if arg.type().scalarType() == "Bool":
+                bools.append(position)
             attributes["input_tensor_types_i"].append(_onnx_type(arg, cls))
             attributes["input_tensor_ranks_i"].append(arg.type().dim())
         elif isinstance(arg, bool):  # before int: bool is an int
@@ -133,28 +165,54 @@ def pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
             add_tuple("int", list(arg), position, "i")
         elif isinstance(arg, tuple) and arg and all(type(v) is float for v in arg):
             add_tuple("float", list(arg), position, "f")
+        elif _holds_tensors(arg):
+            kind = type(arg).__name__
+            raise OrtfxExportError(
+                TENSORS_IN_CONTAINER.format(name=name, kind=kind, position=position)
+            )
         else:
             # str, None, mixed tuples, other objects: ORT passes the object itself.
             _CONSTANTS[id(arg)] = arg
             add("pointer_scalar", id(arg), position)
     outputs = list(node.outputs())
+    for position, value in enumerate(outputs):
+        if value.type().scalarType() is None:  # the tracer types every tensor it returns
+            raise OrtfxExportError(NOT_A_TENSOR_OUTPUT.format(name=name, position=position))
     made = g.op(
         "com.microsoft::PythonOp",
         *tensors,
         outputs=len(outputs),
-        func_name_s=function_graph_name(cls),
+        func_name_s=node_function_name(cls, bools),
         input_convention_s=cconv,
-        output_tensor_types_i=[_onnx_type(o, cls) for o in outputs],
+        # A bool output crosses as uint8 (ORT 1.19 reads no DLPack bool), cast back below.
+        output_tensor_types_i=[
+            _onnx_type(o, cls) if not _is_bool(o) else onnx.TensorProto.UINT8 for o in outputs
+        ],
         output_tensor_ranks_i=[o.type().dim() for o in outputs],
         # ortfx decides per run whether a backward follows (see runtime/pythonop.py).
         training_mode_i=1,
         **attributes,
     )
-    # The traced outputs' types: the exporter's shape inference has none of its own for a
-    # custom-domain op (it would warn on stderr at every export).
+    grad_in = any(t.type().requires_grad() for t in tensors)
+    results = []
     for value, traced in zip(made if len(outputs) > 1 else (made,), outputs, strict=True):
+        # The traced outputs' types: the exporter's shape inference has none of its own for
+        # a custom-domain op (it would warn on stderr at every export).
+        if _is_bool(traced):
+            value.setType(traced.type().with_dtype(torch.uint8))
+            value = g.op("Cast", value, to_i=onnx.TensorProto.BOOL)
+        elif grad_in and not traced.type().requires_grad():
+            # Eager gives this output no gradient (mark_non_differentiable): a gradient stop,
+            # or ORT would differentiate through it.
+            value.setType(traced.type())
+            value = symbolics.detach(g, value)
         value.setType(traced.type())
-    return made
+        results.append(value)
+    return tuple(results) if len(outputs) > 1 else results[0]
+
+
+def _is_bool(value: Any) -> bool:
+    return bool(value.type().scalarType() == "Bool")
 
 
 def _onnx_type(value: Any, cls: type) -> int:

@@ -39,6 +39,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from ortfx import _torch
 from ortfx.errors import OrtfxInitError
+from ortfx.function_names import bool_arguments
 from ortfx.runtime import function_grads, memgrad, openmp
 
 BRIDGE_MISSING = (
@@ -170,6 +171,9 @@ def _capsule(value: Any, owned: frozenset[int]) -> Any:
     if not isinstance(value, torch.Tensor):
         return None
     tensor = value.detach()
+    if tensor.dtype == torch.bool:
+        # ORT 1.19 reads no DLPack bool; it takes a bool output's bytes as uint8.
+        tensor = tensor.view(torch.uint8)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     elif tensor.untyped_storage().data_ptr() in owned:
@@ -242,6 +246,7 @@ def _forward(
     invoke_id: str,
     safe: bool,
     args: tuple[Any, ...],
+    bools: frozenset[int] = frozenset(),
 ) -> list[Any]:
     kernel = _KERNELS.get(invoke_id)
     if kernel is None:
@@ -257,6 +262,8 @@ def _forward(
             leaves.append(None)
             continue
         tensor = from_dlpack(arg)
+        if i in bools:
+            tensor = tensor.view(torch.bool)  # ORT hands bool tensors over as uint8
         owned.append(tensor)
         grad = training and bool(requires_grad[i]) and tensor.is_floating_point()
         leaf = tensor.requires_grad_() if grad else tensor  # a fresh tensor: ours to flag
@@ -416,7 +423,8 @@ def forward_runner(
     try:
         if func_name == memgrad.FUNCTION_NAME and safe:
             return _feed_forward(args[1])
-        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args)
+        bools = bool_arguments(func_name)
+        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args, bools)
     except BaseException as e:
         _LOCAL.error = e
         raise
