@@ -6,8 +6,10 @@ defined again by a factory) gets a ``#n`` suffix, so ORT never runs the wrong on
 name only classes this process exported.
 
 A node's ``func_name`` is the graph name, plus ``|bool=i,j`` when arguments ``i, j`` of its
-``apply`` are bool tensors: ORT hands bool tensors to the runner as uint8 (DLPack has no bool in
-ORT 1.19), and the name is the only per-node text ORT passes to the runner.
+``apply`` are bool tensors (ORT hands bool tensors to the runner as uint8: DLPack has no bool in
+ORT 1.19), plus ``|node=k``, its number among the graph's PythonOps (the runner reports which
+node's backward gave no gradient for an input). The name is the only per-node text ORT passes
+to the runner.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import threading
 from collections.abc import Sequence
 
+import attrs
 import onnx
 
 from ortfx.errors import OrtfxExportError
@@ -41,7 +44,12 @@ def function_graph_name(cls: type) -> str:
         return name
 
 
-_BOOL = "|bool="
+@attrs.frozen
+class NodeName:
+    """What a PythonOp node's ``func_name`` says besides its class (see the module docstring)."""
+
+    bools: frozenset[int] = frozenset()  # apply() positions of bool tensor arguments
+    node: int | None = None  # the node's number among the graph's PythonOps
 
 
 def node_function_name(cls: type, bool_arguments: Sequence[int]) -> str:
@@ -49,14 +57,24 @@ def node_function_name(cls: type, bool_arguments: Sequence[int]) -> str:
     name = function_graph_name(cls)
     if not bool_arguments:
         return name
-    return f"{name}{_BOOL}{','.join(map(str, bool_arguments))}"
+    return f"{name}|bool={','.join(map(str, bool_arguments))}"
+
+
+def numbered(func_name: str, node: int) -> str:
+    """``func_name`` with the node's number among the graph's PythonOps appended."""
+    return f"{func_name}|node={node}"
 
 
 @functools.lru_cache(maxsize=1024)
-def bool_arguments(func_name: str) -> frozenset[int]:
-    """The positions of the bool tensor arguments a node's ``func_name`` names."""
-    _, _, positions = func_name.partition(_BOOL)
-    return frozenset(int(p) for p in positions.split(",")) if positions else frozenset()
+def parse_node_name(func_name: str) -> NodeName:
+    """The :class:`NodeName` a node's ``func_name`` carries."""
+    parts = dict(part.partition("=")[::2] for part in func_name.split("|")[1:])
+    bools = parts.get("bool")
+    node = parts.get("node")
+    return NodeName(
+        frozenset(int(p) for p in bools.split(",")) if bools else frozenset(),
+        int(node) if node is not None else None,
+    )
 
 
 def pythonop_functions(model: bytes) -> dict[str, type]:
@@ -70,7 +88,7 @@ def pythonop_functions(model: bytes) -> dict[str, type]:
         for a in node.attribute
         if a.name == "func_name"
     }
-    classes = {name: _FUNCTIONS.get(name.partition(_BOOL)[0]) for name in names}
+    classes = {name: _FUNCTIONS.get(name.partition("|")[0]) for name in names}
     missing = sorted(name for name, cls in classes.items() if cls is None)
     if missing:
         raise OrtfxExportError(

@@ -22,6 +22,7 @@ from torch import nn
 import ortfx
 from ortfx.runtime import pythonop
 from tests.models import max_diff
+from tests.test_pythonop import Scale3Grad
 
 TOL = 1e-6
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
@@ -189,7 +190,7 @@ def test_a_thousand_steps_keep_no_context_and_no_input_alive() -> None:
 # ---- what backward returns ----------------------------------------------------------------------
 
 
-def _returning(grads: Callable[[torch.Tensor], Any]) -> Callable[..., Any]:
+def _returning(grads: Callable[[torch.Tensor], Any], residual: bool = True) -> Callable[..., Any]:
     class Returns(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -199,7 +200,9 @@ def _returning(grads: Callable[[torch.Tensor], Any]) -> Callable[..., Any]:
         def backward(ctx: Any, g: torch.Tensor) -> Any:
             return grads(g)
 
-    return lambda h, w: Returns.apply(h, w) + h
+    if residual:
+        return lambda h, w: Returns.apply(h, w) + h
+    return Returns.apply
 
 
 ACCEPTED = {
@@ -260,23 +263,47 @@ def test_backward_values_eager_rejects_raise_eagers_error(
         assert close(wrapped(x), reference(x))
 
 
-def test_none_for_an_input_that_requires_grad_is_no_gradient_from_there() -> None:
-    """Fails on the baseline: ORT's Gemm_Grad crashed every step. Eager treats None as "no
-    gradient from this path"; the gradients that do flow are eager's."""
-    body = _returning(lambda g: (None, g.sum(0)))
+_NONE_FOR_X = _returning(lambda g: (None, g.sum(0)), residual=False)
+NO_GRADIENT: dict[str, Callable[..., Any]] = {
+    # the layer before gets no gradient at all: eager leaves its .grad None
+    "only path": _NONE_FOR_X,
+    # another path gives one
+    "residual": lambda h, w: _NONE_FOR_X(h, w) + h,
+    # a Function before it (materializing grads, the default) still runs its backward, on
+    # zeros: its inputs get zeros
+    "behind a Function": lambda h, w: _NONE_FOR_X(Scale3Grad.apply(h), w),
+    # no gradient for either input
+    "both": _returning(lambda g: (None, None), residual=False),
+}
+
+
+@pytest.mark.parametrize("body", NO_GRADIENT.values(), ids=NO_GRADIENT.keys())
+def test_none_for_an_input_that_requires_grad_is_no_gradient_as_in_eager(
+    body: Callable[..., Any],
+) -> None:
+    """Fails on the baseline: ORT's Gemm_Grad crashed every step. Eager passes "no gradient"
+    on: a tensor reached only through it keeps ``.grad`` None (not zeros: an optimizer skips
+    it); one reached otherwise gets eager's gradient, for parameters and the input alike."""
     model = Body(body)
     reference = copy.deepcopy(model)
     wrapped = ortfx.ORTModule(model, options=STRICT)
-    for _ in range(2):
+    for step in range(2):
         x = torch.randn(3, 4)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
-        wrapped(x).sum().backward()
-        reference(x).sum().backward()
-        for (name, pa), (_, pb) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            assert close(pa.grad, pb.grad), name
+        (wrapped(xa) * 3).sum().backward()
+        (reference(xb) * 3).sum().backward()
+        pairs = [("input", xa.grad, xb.grad)] + [
+            (name, pa.grad, pb.grad)
+            for (name, pa), (_, pb) in zip(
+                model.named_parameters(), reference.named_parameters(), strict=True
+            )
+        ]
+        for name, ga, gb in pairs:
+            assert (ga is None) == (gb is None), (step, name, ga, gb)
+            assert gb is None or close(ga, gb), (step, name)
+    assert pythonop.live_contexts() == 0
 
 
 # ---- dtypes crossing the Function ---------------------------------------------------------------

@@ -15,15 +15,22 @@ its error text:
 * a gradient of another dtype is cast to the input's; of a shape the input expands to, summed
   down to it; any other shape raises eager's "invalid gradient";
 * ``None`` for an input that requires grad is eager's "no gradient from here", which ORT can
-  only express as zeros.
+  only express as zeros: the bridge hands ORT zeros and records where, and
+  :func:`no_gradient_inputs` finds the graph inputs that then get no gradient at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
+import onnx
 import torch
+
+from ortfx import aten
+from ortfx.function_names import parse_node_name
 
 WRONG_COUNT = "function {name} returned an incorrect number of gradients (expected {n}, got {got})"
 NOT_A_TENSOR = "expected Variable or None (got {kind})"
@@ -74,7 +81,8 @@ def eager_gradients(
     leaves: Sequence[torch.Tensor | None],
     tensors: Sequence[bool],
 ) -> list[torch.Tensor | None]:
-    """One gradient per forward argument: a tensor for each that requires grad, else None.
+    """One gradient per forward argument: a tensor or None (no gradient) for each that
+    requires grad, None for the others.
 
     ``name`` is the autograd node's name (``FooBackward``), as eager's messages give it;
     ``leaves[i]`` is the tensor argument ``i`` that requires grad (None otherwise);
@@ -92,10 +100,8 @@ def eager_gradients(
             raise RuntimeError(NOT_A_TENSOR.format(kind=type(value).__name__))
         if value is not None and not is_tensor:
             raise RuntimeError(NOT_A_VARIABLE.format(name=name, position=index))
-        if leaf is None:
+        if leaf is None or value is None:
             result.append(None)  # eager drops a gradient for an input that needs none
-        elif value is None:
-            result.append(torch.zeros_like(leaf))
         else:
             result.append(_fitted(name, index, value, leaf))
     return result
@@ -118,3 +124,60 @@ def _same(value: Any, leaf: torch.Tensor | None) -> bool:
         and value.dtype == leaf.dtype
         and value.device == leaf.device
     )
+
+
+@attrs.frozen
+class _Node:
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stopped: frozenset[int]  # input indices gradients never cross (an ATen detach)
+    number: int | None  # a PythonOp's number among the graph's PythonOps
+    positions: tuple[int, ...]  # a PythonOp's apply() position of each tensor input
+
+
+@functools.lru_cache(maxsize=8)  # bytes cache their hash: a repeated lookup is cheap
+def _nodes(model: bytes) -> tuple[tuple[_Node, ...], frozenset[str]]:
+    graph = onnx.load_model_from_string(model).graph
+    nodes = []
+    for node in graph.node:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        stopped: frozenset[int] = frozenset()
+        if node.op_type == "ATen" and node.domain == aten.DOMAIN:
+            stopped = frozenset(aten.STOP_GRADIENT.get(attributes["operator"].decode(), ()))
+        number: int | None = None
+        positions: tuple[int, ...] = ()
+        if node.op_type == "PythonOp" and node.domain == "com.microsoft":
+            number = parse_node_name(attributes["func_name"].decode()).node
+            convention = attributes["input_convention"].decode()
+            positions = tuple(i for i, c in enumerate(convention) if c == "d")
+        nodes.append(_Node(tuple(node.input), tuple(node.output), stopped, number, positions))
+    return tuple(nodes), frozenset(o.name for o in graph.output)
+
+
+def no_gradient_inputs(
+    model: bytes, cut: Iterable[tuple[int, int]], names: Iterable[str]
+) -> frozenset[str]:
+    """Which of the graph inputs ``names`` get no gradient at all, eager's ``None``, when the
+    PythonOp backwards ``cut`` (node number, apply() position) gave none.
+
+    Eager PyTorch's engine passes "no gradient" on: an op whose outputs all got none gives
+    none to its inputs. A custom Function's backward runs whenever its node is reached (with
+    zeros for the missing grads, by default), so only the inputs it returned None for get
+    none from it.
+    """
+    nodes, outputs = _nodes(model)
+    cut = set(cut)
+    reached = set(outputs)  # has a path to an output
+    given = set(outputs)  # ... and gets a gradient along it
+    for node in reversed(nodes):  # ONNX orders nodes topologically
+        runs = any(o in reached for o in node.outputs)
+        if not runs:
+            continue
+        gives = node.number is not None or any(o in given for o in node.outputs)
+        for k, value in enumerate(node.inputs):
+            if k in node.stopped:
+                continue
+            reached.add(value)
+            if gives and (node.number is None or (node.number, node.positions[k]) not in cut):
+                given.add(value)
+    return frozenset(name for name in names if name not in given)

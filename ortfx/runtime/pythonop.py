@@ -39,7 +39,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from ortfx import _torch
 from ortfx.errors import OrtfxInitError
-from ortfx.function_names import bool_arguments
+from ortfx.function_names import NodeName, parse_node_name
 from ortfx.runtime import function_grads, memgrad, openmp
 
 BRIDGE_MISSING = (
@@ -85,6 +85,7 @@ class _Kept:
     leaves: tuple[torch.Tensor | None, ...]  # per argument: the leaf grads flow to, or None
     tensors: tuple[bool, ...]  # per argument: whether it is a tensor
     saved: list[_Box]  # what ctx.save_for_backward stored
+    node: int | None  # the node's number among the graph's PythonOps
 
     def drop(self, node: Any) -> None:
         """Free what the ctx reaches, once its backward has run or can no longer run: ORT 1.19
@@ -101,6 +102,7 @@ class _Kept:
 
 
 _KERNELS: dict[str, _Kernel] = {}
+_UNNAMED = NodeName()
 # token -> outputs and leaves (or a parameter feed's context), until backward. A token, not
 # id(ctx): ids are reused once a ctx is freed, and a late release of an old forward must never
 # drop a newer forward's context.
@@ -246,7 +248,7 @@ def _forward(
     invoke_id: str,
     safe: bool,
     args: tuple[Any, ...],
-    bools: frozenset[int] = frozenset(),
+    name: NodeName = _UNNAMED,
 ) -> list[Any]:
     kernel = _KERNELS.get(invoke_id)
     if kernel is None:
@@ -262,7 +264,7 @@ def _forward(
             leaves.append(None)
             continue
         tensor = from_dlpack(arg)
-        if i in bools:
+        if i in name.bools:
             tensor = tensor.view(torch.bool)  # ORT hands bool tensors over as uint8
         owned.append(tensor)
         grad = training and bool(requires_grad[i]) and tensor.is_floating_point()
@@ -311,9 +313,8 @@ def _forward(
         token = next(_TOKENS)
         node._ortfx_token = token  # type: ignore[attr-defined]
         with _LOCK:
-            _CONTEXTS[token] = _Kept(
-                tuple(outputs), tuple(leaves), tuple(f == 1 for f in tensor_flags), saved
-            )
+            tensors = tuple(f == 1 for f in tensor_flags)
+            _CONTEXTS[token] = _Kept(tuple(outputs), tuple(leaves), tensors, saved, name.node)
         assert run is not None
         run.append(token)
         result[0] = node
@@ -353,9 +354,39 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
     try:
         returned = _kept_backward(ctx, kept, grads)
         storages = _storages(grads)
-        return [_capsule(r, storages) for r in returned]
+        return [_capsule(r, storages) for r in _no_gradient_as_zeros(kept, returned)]
     finally:
         kept.drop(ctx)  # nothing of this forward is needed any more
+
+
+def _no_gradient_as_zeros(
+    kept: _Kept, returned: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Zeros where backward gave no gradient (None) for an input that requires grad: ORT wants
+    a tensor for it. The runner's backward is told (:func:`recording_no_gradient`), so the
+    graph inputs that get no gradient from anywhere else get None, as in eager."""
+    cut: list[tuple[int, int]] | None = getattr(_LOCAL, "no_gradient", None)
+    filled: list[torch.Tensor | None] = []
+    for position, (grad, leaf) in enumerate(zip(returned, kept.leaves, strict=True)):
+        if leaf is not None and grad is None:
+            if cut is not None and kept.node is not None:
+                cut.append((kept.node, position))
+            grad = torch.zeros_like(leaf)
+        filled.append(grad)
+    return filled
+
+
+@contextlib.contextmanager
+def recording_no_gradient() -> Iterator[list[tuple[int, int]]]:
+    """Collect, during an ORT backward on this thread, the (node number, apply() position)
+    pairs whose Function's backward gave no gradient for an input that requires grad."""
+    before = getattr(_LOCAL, "no_gradient", None)
+    cut: list[tuple[int, int]] = []
+    _LOCAL.no_gradient = cut
+    try:
+        yield cut
+    finally:
+        _LOCAL.no_gradient = before
 
 
 def _kept_backward(
@@ -401,11 +432,8 @@ def _kept_backward(
     else:
         # No grad reached any output: eager would not run this backward at all.
         found = [None] * len(targets)
-    # None (no gradient from here) is zeros to ORT, which wants a tensor per such input.
-    filled = iter(
-        torch.zeros_like(t) if f is None else f for f, t in zip(found, targets, strict=True)
-    )
-    return [next(filled) if leaf is not None else None for leaf in kept.leaves]
+    by_position = iter(found)
+    return [next(by_position) if leaf is not None else None for leaf in kept.leaves]
 
 
 def forward_runner(
@@ -423,8 +451,8 @@ def forward_runner(
     try:
         if func_name == memgrad.FUNCTION_NAME and safe:
             return _feed_forward(args[1])
-        bools = bool_arguments(func_name)
-        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args, bools)
+        name = parse_node_name(func_name)
+        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args, name)
     except BaseException as e:
         _LOCAL.error = e
         raise
