@@ -277,16 +277,23 @@ NO_GRADIENT: dict[str, Callable[..., Any]] = {
 }
 
 
+MEM = ortfx.Options(
+    fallback_policy=ortfx.FallbackPolicy.DISABLE, enable_mem_efficient_grad_management=True
+)
+
+
+@pytest.mark.parametrize("options", [STRICT, MEM], ids=["default", "mem-efficient gradients"])
 @pytest.mark.parametrize("body", NO_GRADIENT.values(), ids=NO_GRADIENT.keys())
 def test_none_for_an_input_that_requires_grad_is_no_gradient_as_in_eager(
-    body: Callable[..., Any],
+    body: Callable[..., Any], options: ortfx.Options
 ) -> None:
     """Fails on the baseline: ORT's Gemm_Grad crashed every step. Eager passes "no gradient"
     on: a tensor reached only through it keeps ``.grad`` None (not zeros: an optimizer skips
-    it); one reached otherwise gets eager's gradient, for parameters and the input alike."""
+    it); one reached otherwise gets eager's gradient, for parameters and the input alike, also
+    with parameters fed by memory-efficient gradient management."""
     model = Body(body)
     reference = copy.deepcopy(model)
-    wrapped = ortfx.ORTModule(model, options=STRICT)
+    wrapped = ortfx.ORTModule(model, options=options)
     for step in range(2):
         x = torch.randn(3, 4)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()

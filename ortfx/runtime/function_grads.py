@@ -31,6 +31,7 @@ import torch
 
 from ortfx import aten
 from ortfx.function_names import parse_node_name
+from ortfx.runtime import memgrad
 
 WRONG_COUNT = "function {name} returned an incorrect number of gradients (expected {n}, got {got})"
 NOT_A_TENSOR = "expected Variable or None (got {kind})"
@@ -135,10 +136,18 @@ class _Node:
     positions: tuple[int, ...]  # a PythonOp's apply() position of each tensor input
 
 
+@attrs.frozen
+class _Graph:
+    nodes: tuple[_Node, ...]
+    outputs: frozenset[str]
+    fed: dict[int, str]  # parameter index -> the value its feed node gives ORT (memgrad)
+
+
 @functools.lru_cache(maxsize=8)  # bytes cache their hash: a repeated lookup is cheap
-def _nodes(model: bytes) -> tuple[tuple[_Node, ...], frozenset[str]]:
+def _graph(model: bytes) -> _Graph:
     graph = onnx.load_model_from_string(model).graph
     nodes = []
+    fed: dict[int, str] = {}
     for node in graph.node:
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         stopped: frozenset[int] = frozenset()
@@ -147,25 +156,33 @@ def _nodes(model: bytes) -> tuple[tuple[_Node, ...], frozenset[str]]:
         number: int | None = None
         positions: tuple[int, ...] = ()
         if node.op_type == "PythonOp" and node.domain == "com.microsoft":
+            if attributes["func_name"].decode() == memgrad.FUNCTION_NAME:
+                fed[attributes["input_int_scalars"][0]] = node.output[1]
             number = parse_node_name(attributes["func_name"].decode()).node
             convention = attributes["input_convention"].decode()
             positions = tuple(i for i, c in enumerate(convention) if c == "d")
         nodes.append(_Node(tuple(node.input), tuple(node.output), stopped, number, positions))
-    return tuple(nodes), frozenset(o.name for o in graph.output)
+    return _Graph(tuple(nodes), frozenset(o.name for o in graph.output), fed)
+
+
+def fed_value(model: bytes, index: int) -> str:
+    """The value through which memory-efficient gradients feed parameter ``index``."""
+    return _graph(model).fed[index]
 
 
 def no_gradient_inputs(
     model: bytes, cut: Iterable[tuple[int, int]], names: Iterable[str]
 ) -> frozenset[str]:
-    """Which of the graph inputs ``names`` get no gradient at all, eager's ``None``, when the
-    PythonOp backwards ``cut`` (node number, apply() position) gave none.
+    """Which of the graph inputs (or fed values) ``names`` get no gradient at all, eager's
+    ``None``, when the PythonOp backwards ``cut`` (node number, apply() position) gave none.
 
     Eager PyTorch's engine passes "no gradient" on: an op whose outputs all got none gives
     none to its inputs. A custom Function's backward runs whenever its node is reached (with
     zeros for the missing grads, by default), so only the inputs it returned None for get
     none from it.
     """
-    nodes, outputs = _nodes(model)
+    graph = _graph(model)
+    nodes, outputs = graph.nodes, graph.outputs
     cut = set(cut)
     reached = set(outputs)  # has a path to an output
     given = set(outputs)  # ... and gets a gradient along it

@@ -235,7 +235,7 @@ def _feed_backward(ctx: memgrad.Fed, incoming: tuple[Any, ...]) -> list[Any]:
             "after the bridge was torn down"
         )
     grad = from_dlpack(incoming[0]) if incoming[0] is not None else None
-    if grad is not None:
+    if grad is not None and not _no_gradient_for(ctx.index):
         memgrad.give(ctx.param, ctx.index, ctx.version, grad)
     # The trigger's gradient (ORT wants one; ortfx drops it); the index has none.
     return [to_dlpack(torch.zeros((), dtype=torch.float32)), None]
@@ -377,16 +377,29 @@ def _no_gradient_as_zeros(
 
 
 @contextlib.contextmanager
-def recording_no_gradient() -> Iterator[list[tuple[int, int]]]:
-    """Collect, during an ORT backward on this thread, the (node number, apply() position)
-    pairs whose Function's backward gave no gradient for an input that requires grad."""
-    before = getattr(_LOCAL, "no_gradient", None)
+def recording_no_gradient(model: bytes) -> Iterator[list[tuple[int, int]]]:
+    """Collect, during an ORT backward of ``model`` on this thread, the (node number, apply()
+    position) pairs whose Function's backward gave no gradient for an input that requires
+    grad."""
+    before = getattr(_LOCAL, "no_gradient", None), getattr(_LOCAL, "model", None)
     cut: list[tuple[int, int]] = []
-    _LOCAL.no_gradient = cut
+    _LOCAL.no_gradient, _LOCAL.model = cut, model
     try:
         yield cut
     finally:
-        _LOCAL.no_gradient = before
+        _LOCAL.no_gradient, _LOCAL.model = before
+
+
+def _no_gradient_for(index: int) -> bool:
+    """Whether fed parameter ``index`` gets no gradient, eager's None: ORT's zeros reached it
+    only through Function backwards that gave None. Every backward behind the feed in the
+    graph has run by the time its own runs, so what they gave up is known."""
+    cut: list[tuple[int, int]] | None = getattr(_LOCAL, "no_gradient", None)
+    if not cut:
+        return False
+    model: bytes = _LOCAL.model
+    value = function_grads.fed_value(model, index)
+    return bool(function_grads.no_gradient_inputs(model, cut, [value]))
 
 
 def _kept_backward(

@@ -281,7 +281,7 @@ class TrainingRunner:
                 releasing(self.releases_torch_threads),
                 memgrad.accumulating(self.owned_grads),
                 memgrad.feeding(run_state.fed),
-                pythonop.recording_no_gradient() as cut,
+                pythonop.recording_no_gradient(self.info.model) as cut,
             ):
                 try:
                     self.agent.run_backward(feeds, fetches, run_state.state)
