@@ -87,14 +87,18 @@ class _Kept:
     saved: list[_Box]  # what ctx.save_for_backward stored
     node: int | None  # the node's number among the graph's PythonOps
 
-    def drop(self, node: Any) -> None:
-        """Free what the ctx reaches, once its backward has run or can no longer run: ORT 1.19
-        keeps a ctx whose backward never ran, a ctx keeps its autograd node, whose input edges
-        keep the input leaves, and a Function may have made cycles through it (``ctx.out =
-        out``) that only the garbage collector would break."""
+    def drop(self, node: Any, *, ran: bool = False) -> None:
+        """Free what the ctx reaches once its backward has run (``ran``) or can no longer run.
+        A Function may have made a cycle through its ctx (``ctx.out = out``) that only the
+        garbage collector would break; clearing the ctx's attributes and saved tensors breaks
+        it, and the node then frees its input leaves (ORT's buffers) itself. A ctx whose
+        backward never ran stays in ORT 1.19's context pool until exit, keeping its autograd
+        node and that node's input edges: their leaves' storage is released too."""
         for box in self.saved:
             box.tensor = None
         vars(node).clear()
+        if ran:
+            return
         for leaf in self.leaves:
             if leaf is not None:
                 # Our own leaf over ORT's buffer, reachable only through the node's edges.
@@ -356,7 +360,7 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         storages = _storages(grads)
         return [_capsule(r, storages) for r in _no_gradient_as_zeros(kept, returned)]
     finally:
-        kept.drop(ctx)  # nothing of this forward is needed any more
+        kept.drop(ctx, ran=True)  # nothing of this forward is needed any more
 
 
 def _no_gradient_as_zeros(
