@@ -9,6 +9,7 @@ the test checks the typed ortfx error that names the Function and the argument.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import weakref
@@ -420,12 +421,20 @@ def test_mark_non_differentiable_outputs_do_not_require_grad() -> None:
 # ---- what the graph cannot carry: refused, naming the Function ---------------------------------
 
 
+@dataclasses.dataclass
+class Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
 class SumsList(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, extras: Any, scale: float) -> torch.Tensor:
         tensors = extras.values() if isinstance(extras, dict) else extras
         if isinstance(extras, list) and extras and isinstance(extras[0], list):
             tensors = extras[0]
+        if isinstance(extras, Pair):
+            tensors = [extras.a, extras.b]
         return x * scale + sum(tensors)
 
     @staticmethod
@@ -438,6 +447,7 @@ CONTAINERS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "tuple": lambda h, w: (h * w, w),
     "dict": lambda h, w: {"a": h * w, "b": w},
     "nested list": lambda h, w: [[h * w, w]],
+    "dataclass": lambda h, w: Pair(h * w, w),
 }
 
 

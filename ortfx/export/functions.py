@@ -10,12 +10,14 @@ name (its qualified name, ``#n`` for a second class of the same name), under whi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 import types
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import onnx
 import torch
 
@@ -45,12 +47,22 @@ NOT_A_TENSOR_OUTPUT = (
 
 
 def _holds_tensors(value: Any) -> bool:
+    """Whether a constant argument carries tensors: in a container, or a dataclass or attrs
+    record (made per call, like a container). Other objects, modules included, are passed
+    as themselves."""
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, dict):
         return any(_holds_tensors(v) for v in value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
         return any(_holds_tensors(v) for v in value)
+    if (dataclasses.is_dataclass(value) or attrs.has(type(value))) and not isinstance(value, type):
+        names = (
+            [f.name for f in attrs.fields(type(value))]
+            if attrs.has(type(value))
+            else [f.name for f in dataclasses.fields(value)]
+        )
+        return any(_holds_tensors(getattr(value, name)) for name in names)
     return False
 
 
