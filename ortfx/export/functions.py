@@ -23,7 +23,6 @@ import torch
 
 from ortfx import _torch
 from ortfx.errors import OrtfxExportError
-from ortfx.export import symbolics
 from ortfx.function_names import function_graph_name, node_function_name
 
 # Non-numeric constant arguments reach ORT as object addresses: keep the objects alive.
@@ -216,6 +215,8 @@ def pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         elif grad_in and not traced.type().requires_grad():
             # Eager gives this output no gradient (mark_non_differentiable): a gradient stop,
             # or ORT would differentiate through it.
+            from ortfx.export import symbolics  # TorchScript's: only its exports get here
+
             value.setType(traced.type())
             value = symbolics.detach(g, value)
         value.setType(traced.type())
