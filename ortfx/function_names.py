@@ -7,9 +7,10 @@ name only classes this process exported.
 
 A node's ``func_name`` is the graph name, plus ``|bool=i,j`` when arguments ``i, j`` of its
 ``apply`` are bool tensors (ORT hands bool tensors to the runner as uint8: DLPack has no bool in
-ORT 1.19), plus ``|node=k``, its number among the graph's PythonOps (the runner reports which
-node's backward gave no gradient for an input). The name is the only per-node text ORT passes
-to the runner.
+ORT 1.19), ``|number=m`` when argument ``m`` is a Python number in eager that the tracer made a
+0-dim tensor (a size), and ``|node=k``, its number among the graph's PythonOps (the runner
+reports which node's backward gave no gradient for an input). The name is the only per-node
+text ORT passes to the runner.
 """
 
 from __future__ import annotations
@@ -49,15 +50,18 @@ class NodeName:
     """What a PythonOp node's ``func_name`` says besides its class (see the module docstring)."""
 
     bools: frozenset[int] = frozenset()  # apply() positions of bool tensor arguments
+    numbers: frozenset[int] = frozenset()  # ... of Python numbers the tracer made tensors
     node: int | None = None  # the node's number among the graph's PythonOps
 
 
-def node_function_name(cls: type, bool_arguments: Sequence[int]) -> str:
-    """A PythonOp node's ``func_name``: ``cls``'s graph name, and its bool tensor arguments."""
-    name = function_graph_name(cls)
-    if not bool_arguments:
-        return name
-    return f"{name}|bool={','.join(map(str, bool_arguments))}"
+def node_function_name(cls: type, bools: Sequence[int], numbers: Sequence[int] = ()) -> str:
+    """A PythonOp node's ``func_name``: ``cls``'s graph name, its bool tensor arguments and
+    its Python-number arguments."""
+    parts = [function_graph_name(cls)]
+    for kind, positions in (("bool", bools), ("number", numbers)):
+        if positions:
+            parts.append(f"{kind}={','.join(map(str, sorted(positions)))}")
+    return "|".join(parts)
 
 
 def numbered(func_name: str, node: int) -> str:
@@ -69,12 +73,13 @@ def numbered(func_name: str, node: int) -> str:
 def parse_node_name(func_name: str) -> NodeName:
     """The :class:`NodeName` a node's ``func_name`` carries."""
     parts = dict(part.partition("=")[::2] for part in func_name.split("|")[1:])
-    bools = parts.get("bool")
     node = parts.get("node")
-    return NodeName(
-        frozenset(int(p) for p in bools.split(",")) if bools else frozenset(),
-        int(node) if node is not None else None,
-    )
+
+    def positions(kind: str) -> frozenset[int]:
+        listed = parts.get(kind)
+        return frozenset(int(p) for p in listed.split(",")) if listed else frozenset()
+
+    return NodeName(positions("bool"), positions("number"), int(node) if node is not None else None)
 
 
 def pythonop_functions(model: bytes) -> dict[str, type]:

@@ -395,6 +395,53 @@ def test_a_bool_output_is_a_bool_tensor_inside_and_outside_the_graph() -> None:
     assert_like_eager(body)
 
 
+class TakesSizes(torch.autograd.Function):
+    seen: ClassVar[list[tuple[Any, ...]]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *sizes: Any) -> torch.Tensor:
+        TakesSizes.seen.append(sizes)
+        n, twice, scale, big, t, u = sizes
+        return x * scale + (twice if big else n) + t + u
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (g * 3, *(None for _ in range(6)))
+
+
+def _sizes(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n = h.shape[0]
+    zero = torch.zeros((), dtype=torch.int64)
+    return TakesSizes.apply(h * w, n, n * 2, h.shape[-1] ** -0.5, n > 4, torch.tensor(n), zero + n)
+
+
+# The tracer hands torch.tensor() a size tensor, and torch warns about copying it (eager: an int).
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor:UserWarning")
+def test_sizes_passed_to_apply_reach_the_function_as_python_numbers() -> None:
+    """Fails on the baseline: ``x.shape[0]`` (and arithmetic and comparisons on it with Python
+    numbers) reached the Function as 0-dim tensors, where eager passes int, float and bool;
+    ``torch.tensor(n)`` and ``zeros(()) + n`` stay tensors. Values are the current call's, for
+    two batch sizes (the export's own trace sees tensors: the tracer's doing)."""
+    model = Body(_sizes)
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    for n in (3, 5, 3):
+        x = torch.randn(n, 4)
+        TakesSizes.seen.clear()
+        expected = reference(x)
+        (eager,) = TakesSizes.seen
+        TakesSizes.seen.clear()
+        got = wrapped(x)
+        assert close(got, expected)
+        got.sum().backward()
+        ours = TakesSizes.seen[-1]  # the first call's export traces the Function first
+        assert eager[:4] == (n, 2 * n, 0.5, n > 4)
+        assert [type(v) for v in ours] == [type(v) for v in eager], (ours, eager)
+        for a, b in zip(ours, eager, strict=True):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (ours, eager)
+    assert ortfx.stats(wrapped).exports == 1
+
+
 class NonDifferentiable(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

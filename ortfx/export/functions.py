@@ -45,6 +45,52 @@ NOT_A_TENSOR_OUTPUT = (
 )
 
 
+# What the tracer records for Python arithmetic and comparisons on sizes.
+_NUMBER_OPS = frozenset(
+    f"aten::{op}"
+    for op in (
+        *("add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "floordiv"),
+        *("remainder", "pow", "neg", "gt", "lt", "ge", "le", "eq", "ne", "__and__", "__or__"),
+    )
+)
+# The traced PythonOp node's attribute listing them (positions in apply()).
+NUMBERS = "ortfx_numbers"
+
+
+def _python_number(value: Any) -> bool:
+    """Whether a value of the running trace is a Python number in eager: the tracer makes a
+    size (``x.shape[0]``: ``prim::NumToTensor``) and arithmetic on it with Python numbers
+    (constants) 0-dim tensors. ``torch.tensor(n)`` and ops with other tensors are tensors."""
+    node = value.node()
+    kind = node.kind()
+    if kind == "prim::NumToTensor":
+        return True
+    if kind not in _NUMBER_OPS:
+        return False
+    operands = [v for v in node.inputs() if v.type().kind() == "TensorType"]
+    numbers = [_python_number(v) for v in operands]
+    constants = [v.node().kind() == "prim::Constant" for v in operands]
+    return any(numbers) and all(n or c for n, c in zip(numbers, constants, strict=True))
+
+
+def mark_numbers(returned: Any) -> None:
+    """Note on the traced PythonOp node that returned ``returned`` which tensor arguments of
+    its ``apply`` were Python numbers in eager (see :func:`_python_number`). Called as
+    ``apply`` returns, while the trace is raw: the exporter's passes later drop what tells a
+    size from ``torch.tensor(size)``."""
+    outputs = returned if isinstance(returned, tuple) else (returned,)
+    first = next((o for o in outputs if isinstance(o, torch.Tensor)), None)
+    if first is None:
+        return
+    node = _torch.traced_node(first)
+    if node is None or node.kind() != "prim::PythonOp":
+        return
+    inputs = iter(node.inputs())
+    positions = [p for p, c in enumerate(node.cconv()) if c == "d" and _python_number(next(inputs))]
+    if positions:
+        node.is_(NUMBERS, positions)
+
+
 def _holds_tensors(value: Any) -> bool:
     """Whether a constant argument carries tensors: in a container, or a dataclass or attrs
     record (made per call, like a container). Other objects, modules included, are passed
@@ -193,7 +239,7 @@ def pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         "com.microsoft::PythonOp",
         *tensors,
         outputs=len(outputs),
-        func_name_s=node_function_name(cls, bools),
+        func_name_s=node_function_name(cls, bools, kwargs.get(NUMBERS, ())),
         input_convention_s=cconv,
         # A bool output crosses as uint8 (ORT 1.19 reads no DLPack bool), cast back below.
         output_tensor_types_i=[

@@ -270,6 +270,12 @@ def _forward(
         tensor = from_dlpack(arg)
         if i in name.bools:
             tensor = tensor.view(torch.bool)  # ORT hands bool tensors over as uint8
+        if i in name.numbers:
+            # A Python number in eager (a size, or arithmetic on sizes) that the tracer made
+            # a 0-dim tensor: the Function gets the number, as in eager.
+            call.append(tensor.item())
+            leaves.append(None)
+            continue
         owned.append(tensor)
         grad = training and bool(requires_grad[i]) and tensor.is_floating_point()
         leaf = tensor.requires_grad_() if grad else tensor  # a fresh tensor: ours to flag
@@ -317,7 +323,7 @@ def _forward(
         token = next(_TOKENS)
         node._ortfx_token = token  # type: ignore[attr-defined]
         with _LOCK:
-            tensors = tuple(f == 1 for f in tensor_flags)
+            tensors = tuple(f == 1 and i not in name.numbers for i, f in enumerate(tensor_flags))
             _CONTEXTS[token] = _Kept(tuple(outputs), tuple(leaves), tensors, saved, name.node)
         assert run is not None
         run.append(token)
