@@ -7,12 +7,18 @@ takes the GIL and calls :func:`forward_runner` here; ``PythonOpGrad`` calls
 * Forward (safe mode, the default): tensors arrive as DLPack capsules that share ORT's buffers.
   They become leaves with ORT's requires-grad flags; inputs the Function may modify in place are
   cloned first (all of them on a node's first run, then those it marked dirty), so ORT's own
-  buffers never change. ``Function.apply`` runs with grad enabled, exactly as in eager mode.
-  The autograd node it creates is the ctx handed to ORT; ortfx keeps the outputs (and so the
-  node, its saved tensors and its input edges) alive in :data:`_CONTEXTS` until backward.
-* Backward: the grads ORT has are fed to ``torch.autograd.grad`` over the kept outputs, so the
-  eager engine itself applies ``set_materialize_grads``, ``mark_non_differentiable``, dirty
-  inputs and hooks; the kept entry is then released.
+  buffers never change. The node's ``func_name`` says which arguments are bool tensors (ORT
+  hands them over as uint8) and which are Python numbers in eager (sizes the tracer made
+  tensors). ``Function.apply`` runs with grad enabled, exactly as in eager mode. The autograd
+  node it creates is the ctx handed to ORT; ortfx keeps the outputs (and so the node, its saved
+  tensors and its input edges) alive in :data:`_CONTEXTS` until backward.
+* Backward: with a grad for every output, ``backward`` is called directly and what it returns
+  checked as torch's engine does (:mod:`ortfx.runtime.function_grads`); otherwise the grads ORT
+  has are fed to ``torch.autograd.grad`` over the kept outputs, so the eager engine itself
+  applies ``set_materialize_grads``, ``mark_non_differentiable``, dirty inputs and hooks. ORT
+  gets zeros where backward gave None, and the runner's backward learns where
+  (:func:`recording_no_gradient`). The kept entry is then released, with the ctx's attributes
+  and saved tensors.
 * Outputs that share memory with an input ORT owns are copied: ORT assumes a fresh buffer.
 * Unsafe mode (``safe_run_mode=0`` on the node) calls ``forward(ctx, ...)`` / ``backward`` with a
   plain context object, which ORT then holds alone.
