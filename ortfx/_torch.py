@@ -199,6 +199,16 @@ def trace_value_of(tensor: torch.Tensor) -> None:
     get(tensor)
 
 
+def traced_node(tensor: torch.Tensor) -> Any:
+    """The node of this thread's running TorchScript trace that made ``tensor`` (None when
+    no trace runs here, or it is suspended)."""
+    get = getattr(torch._C, "_get_value_trace", None)
+    state, _ = tracing_state_access()
+    if get is None:
+        raise RuntimeError(TRACING_STATE_MISSING.format(version=torch.__version__))
+    return get(tensor).node() if state() is not None else None
+
+
 # TorchScript trace nodes that read only a tensor's sizes, never its values.
 _SIZE_NODES = frozenset({"aten::size", "aten::numel", "aten::dim", "prim::shape", "aten::len"})
 

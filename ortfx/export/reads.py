@@ -589,6 +589,8 @@ class Watch:
                 cls = frame.f_locals.get("cls")
                 if isinstance(cls, type):
                     functions.record(cls)
+            elif not dynamo and event == "return" and frame.f_code is _torch.FUNCTION_APPLY_CODE:
+                functions.mark_numbers(arg)
             if previous is not None:
                 previous(frame, event, arg)
 

@@ -7,14 +7,18 @@ from __future__ import annotations
 import attrs
 import onnx
 
+from ortfx.function_names import numbered
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.passes.core import Pass, graph_pass, is_standard
 
 
 @graph_pass
 def add_pythonop_ctx(model: onnx.ModelProto) -> bool:
-    """Give each PythonOp ORT's leading ctx output (the exporter emits only the Function's)."""
+    """Give each PythonOp ORT's leading ctx output (the exporter emits only the Function's)
+    and its number among the graph's PythonOps in its ``func_name``
+    (:func:`ortfx.function_names.numbered`)."""
     changed = False
+    count = 0
     for i, node in enumerate(model.graph.node):
         if node.op_type != "PythonOp" or node.domain != "com.microsoft":
             continue
@@ -23,6 +27,10 @@ def add_pythonop_ctx(model: onnx.ModelProto) -> bool:
         del node.output[:]
         node.output.extend([f"{outputs[0] if outputs else name}_ctx", *outputs])
         node.name = name
+        for attribute in node.attribute:
+            if attribute.name == "func_name":
+                attribute.s = numbered(attribute.s.decode(), count).encode()
+        count += 1
         changed = True
     return changed
 

@@ -7,12 +7,18 @@ takes the GIL and calls :func:`forward_runner` here; ``PythonOpGrad`` calls
 * Forward (safe mode, the default): tensors arrive as DLPack capsules that share ORT's buffers.
   They become leaves with ORT's requires-grad flags; inputs the Function may modify in place are
   cloned first (all of them on a node's first run, then those it marked dirty), so ORT's own
-  buffers never change. ``Function.apply`` runs with grad enabled, exactly as in eager mode.
-  The autograd node it creates is the ctx handed to ORT; ortfx keeps the outputs (and so the
-  node, its saved tensors and its input edges) alive in :data:`_CONTEXTS` until backward.
-* Backward: the grads ORT has are fed to ``torch.autograd.grad`` over the kept outputs, so the
-  eager engine itself applies ``set_materialize_grads``, ``mark_non_differentiable``, dirty
-  inputs and hooks; the kept entry is then released.
+  buffers never change. The node's ``func_name`` says which arguments are bool tensors (ORT
+  hands them over as uint8) and which are Python numbers in eager (sizes the tracer made
+  tensors). ``Function.apply`` runs with grad enabled, exactly as in eager mode. The autograd
+  node it creates is the ctx handed to ORT; ortfx keeps the outputs (and so the node, its saved
+  tensors and its input edges) alive in :data:`_CONTEXTS` until backward.
+* Backward: with a grad for every output, ``backward`` is called directly and what it returns
+  checked as torch's engine does (:mod:`ortfx.runtime.function_grads`); otherwise the grads ORT
+  has are fed to ``torch.autograd.grad`` over the kept outputs, so the eager engine itself
+  applies ``set_materialize_grads``, ``mark_non_differentiable``, dirty inputs and hooks. ORT
+  gets zeros where backward gave None, and the runner's backward learns where
+  (:func:`recording_no_gradient`). The kept entry is then released, with the ctx's attributes
+  and saved tensors.
 * Outputs that share memory with an input ORT owns are copied: ORT assumes a fresh buffer.
 * Unsafe mode (``safe_run_mode=0`` on the node) calls ``forward(ctx, ...)`` / ``backward`` with a
   plain context object, which ORT then holds alone.
@@ -39,7 +45,8 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # type: ignore[attr-defin
 
 from ortfx import _torch
 from ortfx.errors import OrtfxInitError
-from ortfx.runtime import memgrad, openmp
+from ortfx.function_names import NodeName, parse_node_name
+from ortfx.runtime import function_grads, memgrad, openmp
 
 BRIDGE_MISSING = (
     "the exported graph runs custom torch.autograd.Function(s) {names} as ORT PythonOp nodes, "
@@ -82,14 +89,22 @@ class _Kept:
 
     outputs: tuple[torch.Tensor | None, ...]  # as the Function returned them (with grad_fn)
     leaves: tuple[torch.Tensor | None, ...]  # per argument: the leaf grads flow to, or None
+    tensors: tuple[bool, ...]  # per argument: whether it is a tensor
     saved: list[_Box]  # what ctx.save_for_backward stored
+    node: int | None  # the node's number among the graph's PythonOps
 
-    def drop(self, node: Any) -> None:
-        """Free what the ctx reaches: ORT 1.19 keeps a ctx whose backward never ran, and a
-        ctx keeps its autograd node, whose input edges keep the input leaves."""
+    def drop(self, node: Any, *, ran: bool = False) -> None:
+        """Free what the ctx reaches once its backward has run (``ran``) or can no longer run.
+        A Function may have made a cycle through its ctx (``ctx.out = out``) that only the
+        garbage collector would break; clearing the ctx's attributes and saved tensors breaks
+        it, and the node then frees its input leaves (ORT's buffers) itself. A ctx whose
+        backward never ran stays in ORT 1.19's context pool until exit, keeping its autograd
+        node and that node's input edges: their leaves' storage is released too."""
         for box in self.saved:
             box.tensor = None
         vars(node).clear()
+        if ran:
+            return
         for leaf in self.leaves:
             if leaf is not None:
                 # Our own leaf over ORT's buffer, reachable only through the node's edges.
@@ -97,6 +112,7 @@ class _Kept:
 
 
 _KERNELS: dict[str, _Kernel] = {}
+_UNNAMED = NodeName()
 # token -> outputs and leaves (or a parameter feed's context), until backward. A token, not
 # id(ctx): ids are reused once a ctx is freed, and a late release of an old forward must never
 # drop a newer forward's context.
@@ -167,6 +183,9 @@ def _capsule(value: Any, owned: frozenset[int]) -> Any:
     if not isinstance(value, torch.Tensor):
         return None
     tensor = value.detach()
+    if tensor.dtype == torch.bool:
+        # ORT 1.19 reads no DLPack bool; it takes a bool output's bytes as uint8.
+        tensor = tensor.view(torch.uint8)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     elif tensor.untyped_storage().data_ptr() in owned:
@@ -226,7 +245,7 @@ def _feed_backward(ctx: memgrad.Fed, incoming: tuple[Any, ...]) -> list[Any]:
             "after the bridge was torn down"
         )
     grad = from_dlpack(incoming[0]) if incoming[0] is not None else None
-    if grad is not None:
+    if grad is not None and not _no_gradient_for(ctx.index):
         memgrad.give(ctx.param, ctx.index, ctx.version, grad)
     # The trigger's gradient (ORT wants one; ortfx drops it); the index has none.
     return [to_dlpack(torch.zeros((), dtype=torch.float32)), None]
@@ -239,6 +258,7 @@ def _forward(
     invoke_id: str,
     safe: bool,
     args: tuple[Any, ...],
+    name: NodeName = _UNNAMED,
 ) -> list[Any]:
     kernel = _KERNELS.get(invoke_id)
     if kernel is None:
@@ -254,6 +274,14 @@ def _forward(
             leaves.append(None)
             continue
         tensor = from_dlpack(arg)
+        if i in name.bools:
+            tensor = tensor.view(torch.bool)  # ORT hands bool tensors over as uint8
+        if i in name.numbers:
+            # A Python number in eager (a size, or arithmetic on sizes) that the tracer made
+            # a 0-dim tensor: the Function gets the number, as in eager.
+            call.append(tensor.item())
+            leaves.append(None)
+            continue
         owned.append(tensor)
         grad = training and bool(requires_grad[i]) and tensor.is_floating_point()
         leaf = tensor.requires_grad_() if grad else tensor  # a fresh tensor: ours to flag
@@ -279,7 +307,10 @@ def _forward(
     saved: list[_Box] = []
 
     def pack(tensor: torch.Tensor) -> _Box:
-        saved.append(_Box(tensor))
+        # Detached: a saved *output* holds its grad_fn, this very node, which holds the box,
+        # a cycle through C++ that the garbage collector cannot see (every step's ctx and
+        # inputs stayed alive). torch gives the unpacked tensor its autograd metadata back.
+        saved.append(_Box(tensor.detach()))
         return saved[-1]
 
     with torch.set_grad_enabled(training), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
@@ -298,7 +329,8 @@ def _forward(
         token = next(_TOKENS)
         node._ortfx_token = token  # type: ignore[attr-defined]
         with _LOCK:
-            _CONTEXTS[token] = _Kept(tuple(outputs), tuple(leaves), saved)
+            tensors = tuple(f == 1 and i not in name.numbers for i, f in enumerate(tensor_flags))
+            _CONTEXTS[token] = _Kept(tuple(outputs), tuple(leaves), tensors, saved, name.node)
         assert run is not None
         run.append(token)
         result[0] = node
@@ -335,6 +367,61 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
             f"ortfx PythonOp: no kept forward for {type(ctx).__name__}; its backward ran twice "
             "or after the bridge was torn down"
         )
+    try:
+        returned = _kept_backward(ctx, kept, grads)
+        storages = _storages(grads)
+        return [_capsule(r, storages) for r in _no_gradient_as_zeros(kept, returned)]
+    finally:
+        kept.drop(ctx, ran=True)  # nothing of this forward is needed any more
+
+
+def _no_gradient_as_zeros(
+    kept: _Kept, returned: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Zeros where backward gave no gradient (None) for an input that requires grad: ORT wants
+    a tensor for it. The runner's backward is told (:func:`recording_no_gradient`), so the
+    graph inputs that get no gradient from anywhere else get None, as in eager."""
+    cut: list[tuple[int, int]] | None = getattr(_LOCAL, "no_gradient", None)
+    filled: list[torch.Tensor | None] = []
+    for position, (grad, leaf) in enumerate(zip(returned, kept.leaves, strict=True)):
+        if leaf is not None and grad is None:
+            if cut is not None and kept.node is not None:
+                cut.append((kept.node, position))
+            grad = torch.zeros_like(leaf)
+        filled.append(grad)
+    return filled
+
+
+@contextlib.contextmanager
+def recording_no_gradient(model: bytes) -> Iterator[list[tuple[int, int]]]:
+    """Collect, during an ORT backward of ``model`` on this thread, the (node number, apply()
+    position) pairs whose Function's backward gave no gradient for an input that requires
+    grad."""
+    before = getattr(_LOCAL, "no_gradient", None), getattr(_LOCAL, "model", None)
+    cut: list[tuple[int, int]] = []
+    _LOCAL.no_gradient, _LOCAL.model = cut, model
+    try:
+        yield cut
+    finally:
+        _LOCAL.no_gradient, _LOCAL.model = before
+
+
+def _no_gradient_for(index: int) -> bool:
+    """Whether fed parameter ``index`` gets no gradient, eager's None: ORT's zeros reached it
+    only through Function backwards that gave None. Every backward behind the feed in the
+    graph has run by the time its own runs, so what they gave up is known."""
+    cut: list[tuple[int, int]] | None = getattr(_LOCAL, "no_gradient", None)
+    if not cut:
+        return False
+    model: bytes = _LOCAL.model
+    value = function_grads.fed_value(model, index)
+    return bool(function_grads.no_gradient_inputs(model, cut, [value]))
+
+
+def _kept_backward(
+    ctx: Any, kept: _Kept, grads: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """One gradient per forward argument: a tensor for each leaf, else None."""
     differentiable = [
         (o, g)
         for o, g in zip(kept.outputs, grads, strict=True)
@@ -345,16 +432,22 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
         len(differentiable) == len(grads) and all(g is not None for _, g in differentiable)
     ):
         # Every output has its grad: nothing to materialize, so call backward directly, as
-        # the engine would (about 3x cheaper than going through it).
+        # the engine would (about 3x cheaper than going through it), and check what it
+        # returned as the engine does.
         with torch.no_grad():
-            direct = _as_tuple(_torch.function_class(ctx).backward(ctx, *grads))
-        storages = _storages(grads)
-        return [
-            _capsule(r, storages) if leaf is not None else None
-            for r, leaf in zip(direct, kept.leaves, strict=True)
-        ]
+            direct = _torch.function_class(ctx).backward(ctx, *grads)
+        if function_grads.fits(direct, kept.leaves):
+            values = direct if isinstance(direct, tuple) else (direct,)
+            return [
+                r if leaf is not None else None for r, leaf in zip(values, kept.leaves, strict=True)
+            ]
+        with torch.no_grad():
+            return function_grads.eager_gradients(
+                type(ctx).__name__, direct, kept.leaves, kept.tensors
+            )
     # Otherwise the eager engine over the kept outputs: materialized grads, non-differentiable
-    # outputs and dirty inputs behave exactly as in PyTorch.
+    # outputs, dirty inputs and the checks of what backward returned behave exactly as in
+    # PyTorch.
     pairs = [(o, g) for o, g in differentiable if g is not None]
     targets = [leaf for leaf in kept.leaves if leaf is not None]
     found: list[torch.Tensor | None]
@@ -366,12 +459,10 @@ def _backward(callback: Any, args: tuple[Any, ...]) -> list[Any]:
                 )
             )
     else:
-        # No grad reached any output: eager would not run this backward at all, so the inputs
-        # get nothing from it; ORT wants a tensor per input that requires grad, so zeros.
-        found = [torch.zeros_like(t) for t in targets]
+        # No grad reached any output: eager would not run this backward at all.
+        found = [None] * len(targets)
     by_position = iter(found)
-    returned = [next(by_position) if leaf is not None else None for leaf in kept.leaves]
-    return [_capsule(r, _storages(grads)) for r in returned]
+    return [next(by_position) if leaf is not None else None for leaf in kept.leaves]
 
 
 def forward_runner(
@@ -389,7 +480,8 @@ def forward_runner(
     try:
         if func_name == memgrad.FUNCTION_NAME and safe:
             return _feed_forward(args[1])
-        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args)
+        name = parse_node_name(func_name)
+        return _forward(callback, requires_grad, tensor_flags, invoke_id, safe, args, name)
     except BaseException as e:
         _LOCAL.error = e
         raise

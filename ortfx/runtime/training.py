@@ -24,7 +24,7 @@ from ortfx.errors import (
 from ortfx.function_names import pythonop_functions
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
 from ortfx.options import LogLevel, Options
-from ortfx.runtime import disk_cache, memgrad, pythonop, replay
+from ortfx.runtime import disk_cache, function_grads, memgrad, pythonop, replay
 from ortfx.runtime.dlpack import to_ort, to_torch
 from ortfx.runtime.failures import build_failed, check_not_empty, feed_error, first_line, run_failed
 from ortfx.runtime.logs import wrapper_log
@@ -272,6 +272,7 @@ class TrainingRunner:
             # autograd.grad / backward(inputs=...): the parameters are no inputs of the
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
+        cut: list[tuple[int, int]] = []  # where a Function's backward gave no gradient
         if not (self.python_ops or run_state.fed or self.releases_torch_threads):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
@@ -283,6 +284,7 @@ class TrainingRunner:
                 releasing(self.releases_torch_threads),
                 memgrad.accumulating(self.owned_grads),
                 memgrad.feeding(run_state.fed),
+                pythonop.recording_no_gradient(self.info.model) as cut,
             ):
                 try:
                     self.agent.run_backward(feeds, fetches, run_state.state)
@@ -290,6 +292,12 @@ class TrainingRunner:
                     failed = [g for g in grad_outputs if g is not None]
                     raise run_failed("backward", failed, e) from e
         grads: list[torch.Tensor | None] = list(to_torch(fetches))
+        if cut:
+            # A Function's backward gave None for an input: ORT computed with zeros there,
+            # and the inputs no other path reaches get None, as in eager.
+            names = [self.info.inputs[slot].name for slot in self.grad_slots]
+            none = function_grads.no_gradient_inputs(self.info.model, cut, names)
+            grads = [None if name in none else g for name, g in zip(names, grads, strict=True)]
         if trigger is not None:
             # The trigger's own gradient, last among ORT's (it is the last graph input).
             grads[-1] = None
