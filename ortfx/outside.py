@@ -127,10 +127,13 @@ def _scan(code: types.CodeType) -> Scan:
         if current is not None and target is not None and current:
             chain = tuple(current)
             target.append(chain)
+            mutates = len(chain) > 1 and (chain[-1] in _MUTATORS or chain[-1].endswith("_"))
             if target is selfs:
-                if len(chain) > 1 and (chain[-1] in _MUTATORS or chain[-1].endswith("_")):
+                if mutates:
                     stores.add(chain[0])  # self.log.append(...), self.table.fill_(...)
                 return chain
+            if mutates:
+                global_stores.add(chain[0])  # LOG.append(...): the forward's own state
         return None
 
     for ins in dis.get_instructions(code):
@@ -174,10 +177,18 @@ class Ran:
     code: dict[types.CodeType, dict[str, Any]] = attrs.Factory(dict)
     selves: dict[types.CodeType, dict[int, Any]] = attrs.Factory(dict)
     environ: dict[str, None] = attrs.Factory(dict)
+    # Frames of custom autograd Functions' apply being run: their bodies run again at every
+    # call (ORT calls them), reading what they read then; not guarded.
+    applying: set[int] = attrs.Factory(set)
 
     def called(self, frame: types.FrameType) -> None:
         """A profile hook's ``call`` event."""
         code = frame.f_code
+        if code is _torch.FUNCTION_APPLY_CODE:
+            self.applying.add(id(frame))
+            return
+        if self.applying:
+            return
         if code is _ENVIRON_GET:
             key = frame.f_locals.get("key")
             if isinstance(key, str):
@@ -193,6 +204,11 @@ class Ran:
             me = frame.f_locals.get(code.co_varnames[0], _MISSING)
             if me is not _MISSING:
                 self.selves.setdefault(code, {}).setdefault(id(me), me)
+
+    def returned(self, frame: types.FrameType) -> None:
+        """A profile hook's ``return`` event."""
+        if self.applying and frame.f_code is _torch.FUNCTION_APPLY_CODE:
+            self.applying.discard(id(frame))
 
 
 _ENVIRON_GET: Final = type(os.environ).__getitem__.__code__

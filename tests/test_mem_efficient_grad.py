@@ -504,3 +504,22 @@ def test_ddp_over_ortmodule_matches_single_process() -> None:
                 assert models.max_diff(got, p.flatten()) <= 1e-5, (mode, name)
     assert all(ranks[0]["mem_efficient=True"]["inside"])
     assert not any(ranks[0]["mem_efficient=False"]["inside"])
+
+
+def test_restricted_backwards_are_said_with_each_training_graph(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A backward asking only for parameters runs no ortfx code, so it cannot raise: the
+    limit is said at WARNING when the training graph is built, never silently."""
+    torch.manual_seed(0)
+    wrapped = ortfx.ORTModule(nn.Linear(4, 2), options=MEM)
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for _ in range(2):
+            wrapped(torch.randn(3, 4)).sum().backward()
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "memory-efficient gradients are on" in r.getMessage()
+    ]
+    assert len(said) == 1
+    assert "loss.backward(inputs=[p])" in said[0] and "gives them no gradient" in said[0]

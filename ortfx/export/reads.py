@@ -578,6 +578,8 @@ class Watch:
         def profile(frame: types.FrameType, event: Any, arg: Any) -> None:
             if event == "call" and ran is not None:
                 ran.called(frame)
+            elif event == "return" and ran is not None:
+                ran.returned(frame)
             if event == "c_call":
                 if arg is _IS_GRAD_ENABLED and not frame.f_globals.get("__name__", "").startswith(
                     _BOOKKEEPING

@@ -299,3 +299,16 @@ def version_returned(log: WrapperLog, left: Any, back: Any, cause: str) -> None:
         cause,
         back.number,
     )
+
+
+def restricted_backwards(log: WrapperLog) -> None:
+    """Memory-efficient gradients cannot see a backward restricted to parameters: said with
+    each training graph, since no ortfx code runs in such a call to say it then."""
+    log.log(
+        logging.WARNING,
+        "memory-efficient gradients are on: a backward asking only for this module's "
+        "parameters (loss.backward(inputs=[p]), torch.autograd.grad(loss, [p], "
+        "allow_unused=True)) gives them no gradient, where PyTorch gives one (said once per "
+        "training graph); turn Options(enable_mem_efficient_grad_management=False) for such "
+        "calls",
+    )

@@ -160,6 +160,8 @@ def _with_training_runner(
         )
     if runner.compute_optimizer_failure:
         logs.compute_optimizer_failed(shell.log, runner.compute_optimizer_failure)
+    if options.enable_mem_efficient_grad_management:
+        logs.restricted_backwards(shell.log)
     built = attrs.evolve(compiled, training=runner, memory=report, dims=dims)
     _log_ready(shell, "training", built, runner, call)
     return built
