@@ -625,19 +625,28 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
 }
 
 
-def table(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
-    """The symbolics above as ``(name, symbolic, opset)`` for an export at ``opset``, for
-    :func:`ortfx._torch.symbolics_registered` (ortfx's exports only; the user's own exports
-    never see them). Each is registered at the export's own opset, which the exporter then
-    picks over its built-in versions; one that needs a newer opset is left out."""
+def standard(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
+    """The symbolics above that write standard ONNX operators only, as ``(name, symbolic,
+    opset)`` for an export at ``opset``: PyTorch's values where the exporter's forms differ,
+    for inference exports too (:mod:`ortfx.deploy`). No ATen node, no PythonOp."""
     entries: list[tuple[str, Callable[..., Any], int]] = [
         ("aten::diff", diff, 9),
         ("aten::cumsum", cumsum, 11),
         *((name, symbolic, 9) for name, symbolic in NAN_AND_BOUNDS.items()),
         ("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14),
     ]
+    return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
+
+
+def table(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
+    """The symbolics above as ``(name, symbolic, opset)`` for a training export at ``opset``,
+    for :func:`ortfx._torch.symbolics_registered` (ortfx's exports only; the user's own exports
+    never see them). Each is registered at the export's own opset, which the exporter then
+    picks over its built-in versions; one that needs a newer opset is left out."""
+    entries: list[tuple[str, Callable[..., Any], int]] = []
     if aten.install():  # ops run by torch inside the graph need the bridge's executor
         entries += [(name, symbolic, low) for name, (symbolic, low) in ATEN_SYMBOLICS.items()]
     else:  # never let ORT differentiate through a detach silently
         entries.append(("aten::detach", _detach_without_bridge, 9))
-    return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
+    ours = [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
+    return standard(opset) + ours
