@@ -215,36 +215,23 @@ class CountsWithoutSymbolic(torch.autograd.Function):
         return grad
 
 
-class Custom(torch.autograd.Function):
-    """Written as a node of a domain no standard runtime knows."""
+def _written_as(op: str, **attributes: Any) -> Any:
+    """A Function (``x + 1``) whose symbolic writes one ``op`` node."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x + 1
+    class WrittenAs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
 
-    @staticmethod
-    def symbolic(g: Any, x: Any) -> Any:
-        return g.op("mylib::AddOne", x).setType(x.type())
+        @staticmethod
+        def symbolic(g: Any, x: Any) -> Any:
+            return g.op(op, x, **attributes).setType(x.type())
 
-
-class AsPythonOp(torch.autograd.Function):
-    """Written as ORT's training-only PythonOp node, as ortfx's training export does."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x + 1
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-    @staticmethod
-    def symbolic(g: Any, x: Any) -> Any:
-        return g.op("com.microsoft::PythonOp", x, func_name_s="tests.AsPythonOp").setType(x.type())
+    return WrittenAs
 
 
 class WithFunction(torch.nn.Module):
@@ -294,8 +281,13 @@ def test_function_that_cannot_be_expressed_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("function", "phrase"),
     [
-        (Custom, r"mylib::AddOne.*Write these in standard ONNX operators"),
-        (AsPythonOp, r"com.microsoft::PythonOp \(tests.AsPythonOp\).*Function tests.AsPythonOp"),
+        # a domain no standard runtime knows
+        (_written_as("mylib::AddOne"), r"mylib::AddOne.*Write these in standard ONNX operators"),
+        # ORT's training-only node, as ortfx's training export writes a Function
+        (
+            _written_as("com.microsoft::PythonOp", func_name_s="tests.Mine"),
+            r"com.microsoft::PythonOp \(tests.Mine\).*Function tests.Mine a `symbolic`",
+        ),
     ],
 )
 def test_nodes_outside_the_standard_domains_are_refused(
