@@ -208,12 +208,11 @@ def export_for_inference(
             output_schema, updates = expected[0][1], expected[0][2]
             outputs = _output_names(output_schema, updates, schema)
             axes = _dynamic_axes(schema, leaves, outputs, expected[0][0]) if dynamic_axes else {}
-            exported = _exported(module, leaves, schema, outputs, axes, opset, staging)
-        _check_domains(exported, name)
-        onnx_model = _with_metadata(exported, schema, output_schema, outputs)
+            _exported(module, leaves, schema, outputs, axes, opset, staging)
         written = os.path.join(staging, os.path.basename(target))
-        _save(onnx_model, written, external_data_threshold)
-        inputs = tuple(i.name for i in onnx_model.graph.input)
+        inputs = _write(
+            written, staging, name, schema, output_schema, outputs, external_data_threshold
+        )
         feeds = [(which, _feeds(call_leaves, schema, inputs)) for which, call_leaves in calls]
         args = (name, feeds, [e[0] for e in expected], target, atol, rtol)
         differences = _verify(written, *args)
@@ -403,16 +402,15 @@ def _exported(
     axes: dict[str, dict[int, str]],
     opset: int,
     staging: str,
-) -> onnx.ModelProto:
-    """The module traced in eval mode with the TorchScript exporter: weights as initializers,
-    constants folded, ortfx's standard-ONNX symbolics only. A custom autograd.Function without
-    a ``symbolic`` has its forward traced into the graph (inference never runs its backward);
-    one whose forward cannot be traced either is named in the error."""
+) -> None:
+    """The module traced in eval mode into ``staging`` with the TorchScript exporter: weights
+    as initializers, constants folded, ortfx's standard-ONNX symbolics only. A custom
+    autograd.Function without a ``symbolic`` has its forward traced into the graph (inference
+    never runs its backward); one whose forward cannot be traced either is named in the error."""
     inputs = _tensor_names(schema)
     tensors = tuple(leaves[i].detach().clone() for i in schema.tensor_indices())
-    # A directory of its own: for a model over 2 GiB torch writes a side file per weight.
-    os.mkdir(os.path.join(staging, _TRACED))
-    file = os.path.join(staging, _TRACED, "model.onnx")
+    file = _traced(staging)
+    os.mkdir(os.path.dirname(file))
 
     def run(inline: bool) -> None:
         flat = trace.FlatCall(module, leaves, schema)
@@ -441,14 +439,18 @@ def _exported(
             "forward was traced into the graph (checked against PyTorch below)",
             found.group(1),
         )
-    model = onnx.load(file)  # with the side files torch writes for a model over 2 GiB
-    if [o.name for o in model.graph.output] != list(outputs):
+    written = [o.name for o in onnx.load(file, load_external_data=False).graph.output]
+    if written != list(outputs):
         raise OrtfxExportError(
-            f"the inference graph of {type(module).__name__} has outputs "
-            f"{[o.name for o in model.graph.output]}, but the module returned {list(outputs)}; "
-            "this is an ortfx bug, please report it."
+            f"the inference graph of {type(module).__name__} has outputs {written}, but the "
+            f"module returned {list(outputs)}; this is an ortfx bug, please report it."
         )
-    return model
+
+
+def _traced(staging: str) -> str:
+    """Where the exporter writes, in a directory of its own: for a model over 2 GiB torch
+    writes a side file per weight."""
+    return os.path.join(staging, _TRACED, "model.onnx")
 
 
 def _torchscript(
@@ -538,16 +540,35 @@ def _function_of(node: onnx.NodeProto) -> str:
     return ""
 
 
-def _with_metadata(
-    model: onnx.ModelProto,
+def _write(
+    file: str,
+    staging: str,
+    module: str,
     schema: ModelSchema,
     output_schema: ModelSchema,
     outputs: tuple[str, ...],
-) -> onnx.ModelProto:
-    """``model`` with the call's and the result's structure in ``metadata_props["ortfx"]``:
-    each graph input and output with its path, dtype and rank, and the Python values the graph
-    holds as constants (the call must pass the same)."""
-    present = {i.name for i in model.graph.input}
+    threshold: int,
+) -> tuple[str, ...]:
+    """The traced graph checked for its domains and written to ``file`` with its metadata;
+    its input names. (The model, a few GB for a large one, lives only here.)"""
+    model = onnx.load(_traced(staging))  # with the side files torch writes above 2 GiB
+    _check_domains(model, module)
+    inputs = tuple(i.name for i in model.graph.input)
+    metadata = _metadata(set(inputs), schema, output_schema, outputs)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=metadata))
+    _save(model, file, threshold)
+    return inputs
+
+
+def _metadata(
+    present: set[str],
+    schema: ModelSchema,
+    output_schema: ModelSchema,
+    outputs: tuple[str, ...],
+) -> str:
+    """The call's and the result's structure, as JSON: each graph input (of ``present``) and
+    output with its path, dtype and rank, and the Python values the graph holds as constants
+    (a call must pass the same)."""
     count = len(output_schema.tensor_indices())
 
     def listed(s: ModelSchema, names: Sequence[str], keep: set[str] | None) -> Any:
@@ -578,14 +599,7 @@ def _with_metadata(
         "updated": list(outputs[count:]),
         "static_outputs": statics(output_schema),
     }
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    del copy.metadata_props[:]
-    copy.metadata_props.extend(
-        [p for p in model.metadata_props if p.key != METADATA_KEY]
-        + [onnx.StringStringEntryProto(key=METADATA_KEY, value=json.dumps(data))]
-    )
-    return copy
+    return json.dumps(data)
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:

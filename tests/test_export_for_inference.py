@@ -389,9 +389,9 @@ def test_weights_go_to_a_side_file_above_the_threshold(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("ORTFX_SLOW_TESTS"), reason="set ORTFX_SLOW_TESTS=1")
 def test_a_model_over_two_gib(tmp_path: Path) -> None:
-    """A real 2.1 GB model: protobuf cannot hold it, so its weights go to the side file."""
-    model = torch.nn.Linear(23_000, 23_000, bias=False)
-    x = torch.randn(1, 23_000)
+    """A real 2.15 GB model (over 2 GiB): protobuf cannot hold it, so its weights go to the side file."""
+    model = torch.nn.Linear(23_200, 23_200, bias=False)
+    x = torch.randn(1, 23_200)
     record = ortfx.export_for_inference(model, (x,), tmp_path / "big.onnx", atol=1e-3)
     assert (tmp_path / "big.onnx.data").stat().st_size > 2**31
     assert (tmp_path / "big.onnx").stat().st_size < 2**20
