@@ -496,3 +496,89 @@ def test_tiny_bert(tmp_path: Path) -> None:
         torch.testing.assert_close(
             _run(record, **data).logits, _eager(model, **data).logits, atol=1e-5, rtol=1e-5
         )
+
+
+# ---- structure and the process -------------------------------------------------------------------
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x: torch.Tensor, extra: dict[str, torch.Tensor]) -> Any:
+        return x * 2, {"sum": x + extra["y"], "n": 3}
+
+
+def test_nested_inputs_and_outputs_are_named_by_their_paths(tmp_path: Path) -> None:
+    """Inputs and outputs in containers: named by path, rebuilt by ``unflatten`` with the
+    Python values the graph holds; the metadata says the same."""
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    record = ortfx.export_for_inference(Nested(), (x, {"y": y}), tmp_path / "n.onnx")
+    assert record.inputs == ("input_0", "input_1.y")
+    assert record.outputs == ("output_0", "output_1.sum")
+    doubled, rest = _run(record, x, {"y": y})
+    torch.testing.assert_close(doubled, x * 2)
+    torch.testing.assert_close(rest["sum"], x + y)
+    assert rest["n"] == 3
+    assert _metadata(record.path)["static_outputs"] == [{"path": "output[1]['n']", "value": 3}]
+
+
+class Counter(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)  # changes its input in place
+        return x * 2
+
+
+def test_an_input_changed_in_place_is_an_output(tmp_path: Path) -> None:
+    x = torch.zeros(2)
+    record = ortfx.export_for_inference(Counter(), (x,), tmp_path / "c.onnx")
+    assert torch.equal(x, torch.zeros(2))  # the caller's tensor is not touched by the export
+    assert record.outputs == ("output", "updated.input_0")
+    doubled, updated = _session(record.path).run(None, record.feeds(x))
+    assert doubled.tolist() == [2.0, 2.0] and updated.tolist() == [1.0, 1.0]
+
+
+def test_a_wrapper_inside_the_model_is_traced_into_the_file(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    inner = ortfx.ORTModule(torch.nn.Linear(4, 4))
+    model = torch.nn.Sequential(inner, torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()  # the inner part trains in ORT
+    x = torch.randn(5, 4)
+    want = _eager(model, x)  # an eval call: the wrapper's second graph
+    before = ortfx.stats(inner)
+    record = ortfx.export_for_inference(model, (x,), tmp_path / "s.onnx")
+    torch.testing.assert_close(_run(record, x), want, atol=1e-5, rtol=1e-5)
+    assert ortfx.stats(inner).calls == before.calls  # the export ran it as plain code
+    model(torch.randn(3, 4)).sum().backward()
+    assert ortfx.stats(inner).exports == before.exports
+    assert ortfx.stats(inner).fallback_calls == 0
+
+
+class FloorDivide(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x // 2
+
+
+def _user_export(path: Path) -> bytes:
+    torch.onnx.export(FloorDivide(), (torch.randn(3),), str(path), dynamo=False)
+    return path.read_bytes()
+
+
+def test_the_users_own_exports_are_unchanged(tmp_path: Path) -> None:
+    """ortfx's symbolics are registered for its export only: a user's torch.onnx.export gives
+    the same file before and after (the stock exporter truncates, ortfx's file floors)."""
+    before = _user_export(tmp_path / "before.onnx")
+    record = ortfx.export_for_inference(
+        FloorDivide(), (torch.tensor([-7.0, 7.0]),), tmp_path / "ours.onnx"
+    )
+    assert _session(record.path).run(None, record.feeds(torch.tensor([-7.0])))[0].tolist() == [-4]
+    assert _user_export(tmp_path / "after.onnx") == before
+
+
+def test_an_existing_file_is_replaced_only_by_a_checked_one(tmp_path: Path) -> None:
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"the previous release")
+    with pytest.raises(ortfx.OrtfxVerificationError):
+        ortfx.export_for_inference(
+            Branchy(), (torch.ones(2),), target, check_inputs=[(-torch.ones(2),)]
+        )
+    assert target.read_bytes() == b"the previous release"
+    record = ortfx.export_for_inference(Branchy(), (torch.ones(2),), target)
+    assert onnx.load(record.path).graph.node and sorted(os.listdir(tmp_path)) == ["model.onnx"]
