@@ -237,14 +237,15 @@ def check(name: str) -> dict[str, Any]:
     return result
 
 
-def _child(name: str, queue: Any) -> None:
-    queue.put(check(name))
+def _child(name: str, queue: Any, checker: Any) -> None:
+    queue.put(checker(name))
 
 
-def run_one(name: str, timeout: float) -> dict[str, Any]:
+def run_one(name: str, timeout: float, checker: Any = check) -> dict[str, Any]:
+    """``checker(name)`` (a module-level function) in a process of its own."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(name, queue))
+    process = ctx.Process(target=_child, args=(name, queue, checker))
     process.start()
     process.join(timeout)
     if process.is_alive():

@@ -582,3 +582,35 @@ def test_an_existing_file_is_replaced_only_by_a_checked_one(tmp_path: Path) -> N
     assert target.read_bytes() == b"the previous release"
     record = ortfx.export_for_inference(Branchy(), (torch.ones(2),), target)
     assert onnx.load(record.path).graph.node and sorted(os.listdir(tmp_path)) == ["model.onnx"]
+
+
+def _mixtral() -> Any:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def test_mixture_of_experts_names_the_way_to_standard_onnx(tmp_path: Path) -> None:
+    """transformers' default experts (histc, torch._grouped_mm) cannot be written in ONNX: the
+    error names the switch; with batched_mm experts the decode step matches eager."""
+    model = _mixtral()
+    call = {"input_ids": torch.randint(0, VOCAB, (2, 5)), "use_cache": False}
+    with pytest.raises(ortfx.OrtfxExportError, match=r"aten::histc.*"
+                       r"set_experts_implementation\('batched_mm'\)"):  # fmt: skip
+        ortfx.export_for_inference(model, (), tmp_path / "moe.onnx", call)
+    model.set_experts_implementation("batched_mm")
+    with torch.no_grad():
+        past = model(input_ids=torch.randint(0, VOCAB, (2, 4)), use_cache=True).past_key_values
+    step = {
+        "input_ids": torch.randint(0, VOCAB, (2, 1)),
+        "past_key_values": past,
+        "use_cache": True,
+    }
+    record = ortfx.export_for_inference(model, (), tmp_path / "moe.onnx", step)
+    got = _run(record, **step)
+    want = _eager(model, **{**step, "past_key_values": copy.deepcopy(past)})
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)

@@ -37,8 +37,17 @@ EXPORT_FAILED = (
     "exporting {module} for inference with the TorchScript exporter failed: {error_type}: "
     "{error}. The module's forward must be traceable with the example inputs (ortfx's training "
     "exports run ops torch cannot write in ONNX as ATen or PythonOp nodes, which an inference "
-    "file cannot hold)."
+    "file cannot hold).{hint}"
 )
+# Ops the exporter cannot write, with the way around them a user has.
+HINTS = {
+    ("aten::histc", "aten::_grouped_mm"): (
+        " transformers' default mixture-of-experts layers (grouped_mm experts) count tokens "
+        "with histc and multiply with torch._grouped_mm; call "
+        "model.set_experts_implementation('batched_mm') before exporting (the same arithmetic "
+        "in standard ONNX operators; switch back afterwards for training)."
+    ),
+}
 
 
 @contextlib.contextmanager
@@ -172,9 +181,11 @@ def first_line(error: BaseException) -> str:
 
 
 def _export_failed(module: torch.nn.Module, error: Exception) -> OrtfxExportError:
+    text = first_line(error)
+    hint = "".join(h for ops, h in HINTS.items() if any(op in str(error) for op in ops))
     return OrtfxExportError(
         EXPORT_FAILED.format(
-            module=type(module).__name__, error_type=type(error).__name__, error=first_line(error)
+            module=type(module).__name__, error_type=type(error).__name__, error=text, hint=hint
         )
     )
 
