@@ -19,17 +19,13 @@ Writes ``bench/results/deploy_sweep-<date>.md`` and prints the table.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.hf_sweep import ARCHITECTURES, NO_DROPOUT, SMALL, _commit, run_one
+from bench.hf_sweep import ARCHITECTURES, NO_DROPOUT, SMALL, setting, sweep
 
 FORMS = ("nocache", "prefill", "decode")
 # Mixture-of-experts models, exported with transformers' batched_mm experts (docs/deploy.md).
@@ -138,26 +134,12 @@ def render(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", default="", help="comma-separated architecture names")
-    parser.add_argument("--timeout", type=float, default=300.0)
-    args = parser.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(ARCHITECTURES)
-    results = []
-    for name in names:
-        result = run_one(name, args.timeout, check)
-        print(json.dumps(result), flush=True)
-        results.append(result)
-    import torch
-    import transformers
-
+    results = sweep(__doc__, check)
     head = (
         f"# export_for_inference over transformers architectures ({datetime.date.today()})\n\n"
-        f"`{' '.join(sys.argv)}` on {platform.machine()} {platform.python_version()}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, commit "
-        f"{_commit()}; tiny configs (2 layers, d 32, vocab 100), dropout off. Each cell: the "
-        "largest difference between ONNX Runtime and PyTorch over the example and a call of "
-        "other sizes (checked by export_for_inference itself), inputs, outputs, seconds.\n\n"
+        f"{setting()}. Each cell: the largest difference between ONNX Runtime and PyTorch over "
+        "the example and a call of other sizes (checked by export_for_inference itself), "
+        "inputs, outputs, seconds.\n\n"
     )
     table = render(results)
     out = Path("bench/results") / f"deploy_sweep-{datetime.date.today():%Y%m%d}.md"

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 import ortfx
+from tests.models import tiny_mixtral
 
 
 def _session(path: str) -> Any:
@@ -584,20 +585,11 @@ def test_an_existing_file_is_replaced_only_by_a_checked_one(tmp_path: Path) -> N
     assert onnx.load(record.path).graph.node and sorted(os.listdir(tmp_path)) == ["model.onnx"]
 
 
-def _mixtral() -> Any:
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    return transformers.MixtralForCausalLM(config)
-
-
 def test_mixture_of_experts_names_the_way_to_standard_onnx(tmp_path: Path) -> None:
     """transformers' default experts (histc, torch._grouped_mm) cannot be written in ONNX: the
     error names the switch; with batched_mm experts the decode step matches eager."""
-    model = _mixtral()
+    torch.manual_seed(0)
+    model = tiny_mixtral()
     call = {"input_ids": torch.randint(0, VOCAB, (2, 5)), "use_cache": False}
     with pytest.raises(ortfx.OrtfxExportError, match=r"aten::histc.*"
                        r"set_experts_implementation\('batched_mm'\)"):  # fmt: skip
