@@ -179,6 +179,17 @@ def test_model_and_process_unchanged(tmp_path: Path) -> None:
     assert torch.is_grad_enabled()
 
 
+def test_a_call_under_inference_mode(tmp_path: Path) -> None:
+    """Inputs made under torch.inference_mode() (which the tracer cannot record) export from
+    normal copies; the mode is on again afterwards."""
+    model = MLP()
+    with torch.inference_mode():
+        x = torch.randn(2, 6)
+        record = ortfx.export_for_inference(model, (x,), tmp_path / "m.onnx")
+        assert torch.is_inference_mode_enabled()
+    torch.testing.assert_close(_run(record, x), _eager(model, x), atol=1e-5, rtol=1e-5)
+
+
 # ---- custom autograd Functions ------------------------------------------------------------------
 
 

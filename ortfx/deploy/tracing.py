@@ -54,10 +54,13 @@ HINTS = {
 def untouched(module: torch.nn.Module) -> Iterator[None]:
     """Eval mode and no grad for the block; afterwards every submodule's train/eval flag, the
     buffers and the random streams are what they were. One of ortfx's exports at a time (a
-    wrapper inside the module runs as plain code, so the graph takes it in)."""
+    wrapper inside the module runs as plain code, so the graph takes it in). Outside
+    ``torch.inference_mode()``: the tracer cannot record inference tensors, and the runs take
+    normal copies of the caller's."""
     modes = [(m, m.training) for m in module.modules()]
     try:
         with (
+            torch.inference_mode(False),
             trace.one_export_at_a_time(),
             rewrites.preserved_random_state(module),
             rewrites.state_preserved(module),
