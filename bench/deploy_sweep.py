@@ -7,8 +7,9 @@ plain model, on the example and on a second call of other sizes:
 
 - decoder LMs: ``nocache`` (``use_cache=False``), ``prefill`` (``use_cache=True``, the new cache
   as outputs), ``decode`` (one new token with a past cache as inputs);
-- encoder-decoders: ``nocache`` and ``decode`` (decoder tokens with an ``EncoderDecoderCache``);
-- encoders and audio models: ``nocache``.
+- encoder-decoders (Whisper too): ``nocache`` and ``decode`` (decoder tokens with an
+  ``EncoderDecoderCache``);
+- encoders and wav2vec2: ``nocache``.
 
 Mixture-of-experts models are exported after ``model.set_experts_implementation("batched_mm")``:
 their default grouped_mm experts run ``histc`` and ``torch._grouped_mm``, which ONNX cannot
@@ -42,23 +43,33 @@ def _calls(name: str, kind: str, model: Any) -> dict[str, tuple[dict[str, Any], 
     def ones(batch: int, length: int) -> Any:
         return torch.ones(batch, length, dtype=torch.long)
 
+    def past(call: dict[str, Any]) -> Any:
+        with torch.no_grad():
+            return model.eval()(**call, use_cache=True).past_key_values
+
     if name == "wav2vec2_ctc":
         return {"nocache": ({"input_values": torch.randn(2, 1600)},
                             {"input_values": torch.randn(3, 2000)})}  # fmt: skip
     if name == "whisper":
-        features = torch.randn(2, 8, 32)
-        return {"nocache": (
-            {"input_features": features, "decoder_input_ids": ids(2, 3), "use_cache": False},
-            {"input_features": torch.randn(3, 8, 32), "decoder_input_ids": ids(3, 5),
-             "use_cache": False},
-        )}  # fmt: skip
+
+        def heard(batch: int, done: int, new: int) -> dict[str, Any]:
+            features = torch.randn(batch, 8, 32)
+            cache = past({"input_features": features, "decoder_input_ids": ids(batch, done)})
+            return {"input_features": features, "decoder_input_ids": ids(batch, new),
+                    "past_key_values": cache, "use_cache": True}  # fmt: skip
+
+        return {
+            "nocache": (
+                {"input_features": torch.randn(2, 8, 32), "decoder_input_ids": ids(2, 3),
+                 "use_cache": False},
+                {"input_features": torch.randn(3, 8, 32), "decoder_input_ids": ids(3, 5),
+                 "use_cache": False},
+            ),
+            "decode": (heard(2, 3, 1), heard(3, 5, 2)),
+        }  # fmt: skip
     if kind == "encoder":
         return {"nocache": ({"input_ids": ids(2, 7), "attention_mask": ones(2, 7)},
                             {"input_ids": ids(3, 11), "attention_mask": ones(3, 11)})}  # fmt: skip
-
-    def past(call: dict[str, Any]) -> Any:
-        with torch.no_grad():
-            return model.eval()(**call, use_cache=True).past_key_values
 
     if kind == "seq2seq":
 

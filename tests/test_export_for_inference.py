@@ -469,6 +469,20 @@ def test_gpt2_decode_step_with_a_kv_cache(tmp_path: Path) -> None:
         torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
 
 
+def test_an_output_named_like_an_input_is_present(tmp_path: Path) -> None:
+    """transformers 5.24's ``cache=`` keyword: the returned cache (field ``cache``) would take
+    the inputs' names, so its outputs are ``present.*``."""
+    model = _gpt2()
+    with torch.no_grad():
+        past = model(input_ids=torch.randint(0, VOCAB, (2, 4)), use_cache=True).past_key_values
+    step = {"input_ids": torch.randint(0, VOCAB, (2, 1)), "cache": past, "use_cache": True}
+    record = ortfx.export_for_inference(model, (), tmp_path / "c.onnx", step)
+    assert "cache.layers.1.values" in record.inputs
+    assert "present.cache.layers.1.values" in record.outputs
+    want = _eager(model, **{**step, "cache": copy.deepcopy(past)})
+    torch.testing.assert_close(_run(record, **step).logits, want.logits, atol=1e-5, rtol=1e-5)
+
+
 def test_gpt2_prefill_returns_its_cache(tmp_path: Path) -> None:
     model = _gpt2()
     ids, mask = torch.randint(0, VOCAB, (2, 5)), torch.ones(2, 5, dtype=torch.long)
