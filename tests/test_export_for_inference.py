@@ -87,10 +87,10 @@ def test_mlp_matches_eager_and_names_its_inputs_and_outputs(tmp_path: Path) -> N
 
 
 def test_a_model_trained_with_ortfx_exports_through_its_wrapper(tmp_path: Path) -> None:
-    """A wrapper trained a few steps: the file computes the trained weights' outputs, and the
-    wrapper keeps training in ORT afterwards without exporting again."""
+    """A wrapper trained a few steps: the file computes the trained weights' outputs at the
+    wrapper's opset, and the wrapper keeps training in ORT afterwards without exporting again."""
     torch.manual_seed(0)
-    wrapped = ortfx.ORTModule(MLP())
+    wrapped = ortfx.ORTModule(MLP(), options=ortfx.Options(opset_version=14))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     for _ in range(3):
         wrapped(torch.randn(8, 6)).pow(2).mean().backward()
@@ -99,6 +99,7 @@ def test_a_model_trained_with_ortfx_exports_through_its_wrapper(tmp_path: Path) 
     x = torch.randn(5, 6)
     record = ortfx.export_for_inference(wrapped, (x,), tmp_path / "trained.onnx")
     torch.testing.assert_close(_run(record, x), _eager(wrapped.module, x), atol=1e-5, rtol=1e-5)
+    assert [o.version for o in onnx.load(record.path).opset_import if o.domain == ""] == [14]
     assert wrapped.training
     exports = ortfx.stats(wrapped).exports
     wrapped(torch.randn(8, 6)).pow(2).mean().backward()

@@ -18,7 +18,7 @@ from ortfx.deploy import check, files, names, tracing
 from ortfx.errors import OrtfxIOError
 from ortfx.options import Options
 from ortfx.runtime import logs
-from ortfx.runtime.module import ORTModule
+from ortfx.runtime.module import ORTModule, options_of
 from ortfx.runtime.ort import require_ort
 from ortfx.schema import ModelSchema, TensorSpec
 
@@ -109,9 +109,11 @@ def export_for_inference(
     """
     start = time.perf_counter()
     require_ort()
-    module = model.module if isinstance(model, ORTModule) else model
+    wrapped = isinstance(model, ORTModule)
+    module = model.module if wrapped else model
     target = os.path.abspath(os.fspath(path))
-    opset = Options().opset_version if opset_version is None else opset_version
+    if opset_version is None:  # the wrapper's own, as it trained (Options' default otherwise)
+        opset_version = (options_of(model) if wrapped else Options()).opset_version
     example = _as_call(example_inputs, kwargs)
     leaves, schema = _schema_of(example)
     calls = [("the example inputs", leaves)]
@@ -131,7 +133,7 @@ def export_for_inference(
             axes = (
                 names.dynamic_axes(schema, leaves, outputs, expected[0][0]) if dynamic_axes else {}
             )
-            tracing.exported(module, leaves, schema, outputs, axes, opset, staging)
+            tracing.exported(module, leaves, schema, outputs, axes, opset_version, staging)
         written = os.path.join(staging, os.path.basename(target))
         inputs = files.write(
             written, staging, name, schema, output_schema, outputs, external_data_threshold
