@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
 import ortfx
+from ortfx.runtime.ort import ort  # imported by ortfx, without upstream's front end
 from tests.models import tiny_mixtral
 
 
