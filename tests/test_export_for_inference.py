@@ -343,6 +343,12 @@ def test_check_inputs_of_another_structure_are_refused(tmp_path: Path) -> None:
         )
 
 
+def test_not_a_module_is_refused(tmp_path: Path) -> None:
+    phrase = r"expects a torch.nn.Module or an ortfx.ORTModule, got builtin_function_or_method"
+    with pytest.raises(ortfx.OrtfxTorchModelError, match=phrase):
+        ortfx.export_for_inference(torch.relu, (torch.ones(2),), tmp_path / "f.onnx")  # type: ignore[arg-type]
+
+
 def test_static_shapes_with_dynamic_axes_false(tmp_path: Path) -> None:
     record = ortfx.export_for_inference(
         MLP(), (torch.randn(2, 6),), tmp_path / "m.onnx", dynamic_axes=False

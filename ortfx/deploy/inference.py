@@ -15,7 +15,7 @@ import torch
 
 from ortfx import io
 from ortfx.deploy import check, files, names, tracing
-from ortfx.errors import OrtfxIOError
+from ortfx.errors import OrtfxIOError, OrtfxTorchModelError
 from ortfx.options import Options
 from ortfx.runtime import logs
 from ortfx.runtime.module import ORTModule, options_of
@@ -29,6 +29,10 @@ CHECK_SCHEMA = (
     "{which} does not have the example's structure: given {given}, expected "
     "{expected}. The file serves calls of the example's structure, dtypes and ranks (and its "
     "Python values, which are baked in); pass inputs of that structure with other sizes."
+)
+NOT_A_MODULE = (
+    "ortfx.export_for_inference expects a torch.nn.Module or an ortfx.ORTModule, got "
+    "{type_name}. Pass the model object itself."
 )
 DYNAMIC_AXES_NEEDED = (
     "{which} has other sizes than the example, but dynamic_axes=False fixes "
@@ -109,6 +113,8 @@ def export_for_inference(
     """
     start = time.perf_counter()
     require_ort()
+    if not isinstance(model, torch.nn.Module):
+        raise OrtfxTorchModelError(NOT_A_MODULE.format(type_name=type(model).__qualname__))
     wrapped = isinstance(model, ORTModule)
     module = model.module if wrapped else model
     target = os.path.abspath(os.fspath(path))
