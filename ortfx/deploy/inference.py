@@ -115,11 +115,10 @@ def export_for_inference(
     require_ort()
     if not isinstance(model, torch.nn.Module):
         raise OrtfxTorchModelError(NOT_A_MODULE.format(type_name=type(model).__qualname__))
-    wrapped = isinstance(model, ORTModule)
-    module = model.module if wrapped else model
+    module = model.module if isinstance(model, ORTModule) else model
     target = os.path.abspath(os.fspath(path))
     if opset_version is None:  # the wrapper's own, as it trained (Options' default otherwise)
-        opset_version = (options_of(model) if wrapped else Options()).opset_version
+        opset_version = (options_of(model) if module is not model else Options()).opset_version
     example = _as_call(example_inputs, kwargs)
     leaves, schema = _schema_of(example)
     calls = [("the example inputs", leaves)]
