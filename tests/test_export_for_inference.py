@@ -543,7 +543,10 @@ def test_nested_inputs_and_outputs_are_named_by_their_paths(tmp_path: Path) -> N
     """Inputs and outputs in containers: named by path, rebuilt by ``unflatten`` with the
     Python values the graph holds; the metadata says the same."""
     x, y = torch.randn(2, 3), torch.randn(2, 3)
-    record = ortfx.export_for_inference(Nested(), (x, {"y": y}), tmp_path / "n.onnx")
+    other = ((torch.randn(5, 3), {"y": torch.randn(5, 3)}), {})  # an (args, kwargs) pair
+    record = ortfx.export_for_inference(
+        Nested(), (x, {"y": y}), tmp_path / "n.onnx", check_inputs=[other]
+    )
     assert record.inputs == ("input_0", "input_1.y")
     assert record.outputs == ("output_0", "output_1.sum")
     doubled, rest = _run(record, x, {"y": y})
