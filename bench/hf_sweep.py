@@ -237,14 +237,15 @@ def check(name: str) -> dict[str, Any]:
     return result
 
 
-def _child(name: str, queue: Any) -> None:
-    queue.put(check(name))
+def _child(name: str, queue: Any, checker: Any) -> None:
+    queue.put(checker(name))
 
 
-def run_one(name: str, timeout: float) -> dict[str, Any]:
+def run_one(name: str, timeout: float, checker: Any = check) -> dict[str, Any]:
+    """``checker(name)`` (a module-level function) in a process of its own."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(name, queue))
+    process = ctx.Process(target=_child, args=(name, queue, checker))
     process.start()
     process.join(timeout)
     if process.is_alive():
@@ -286,26 +287,39 @@ def render(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def sweep(description: str | None, checker: Any) -> list[dict[str, Any]]:
+    """The command line (``--only``, ``--timeout``), and ``checker`` run on each architecture
+    in a process of its own, each result printed as a JSON line."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", default="", help="comma-separated architecture names")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ARCHITECTURES)
     results = []
     for name in names:
-        result = run_one(name, args.timeout)
+        result = run_one(name, args.timeout, checker)
         print(json.dumps({k: v for k, v in result.items() if k != "trace"}), flush=True)
         results.append(result)
+    return results
+
+
+def setting() -> str:
+    """The command, machine, versions and commit of a sweep, for a results file's header."""
     import torch
     import transformers
 
-    head = (
-        f"# transformers architectures through ortfx ({datetime.date.today()})\n\n"
+    return (
         f"`{' '.join(sys.argv)}` on {platform.machine()} {platform.python_version()}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, commit "
-        f"{_commit()}; tiny configs (2 layers, d 32, vocab 100), dropout off, fallback "
-        "disabled, each against the plain model.\n\n"
+        f"{_commit()}; tiny configs (2 layers, d 32, vocab 100), dropout off"
+    )
+
+
+def main() -> None:
+    results = sweep(__doc__, check)
+    head = (
+        f"# transformers architectures through ortfx ({datetime.date.today()})\n\n"
+        f"{setting()}, fallback disabled, each against the plain model.\n\n"
     )
     table = render(results)
     out = Path("bench/results") / f"hf_sweep-{datetime.date.today():%Y%m%d}.md"

@@ -3,6 +3,7 @@
 ``model = ortfx.ORTModule(model)`` and train as before.
 """
 
+from ortfx.deploy import InferenceExport, export_for_inference
 from ortfx.errors import (
     OrtfxDeviceError,
     OrtfxError,
@@ -14,6 +15,7 @@ from ortfx.errors import (
     OrtfxRuntimeError,
     OrtfxTorchModelError,
     OrtfxUnsupportedOpError,
+    OrtfxVerificationError,
     OrtfxWarning,
 )
 from ortfx.hooks import inspect_activation
@@ -34,6 +36,7 @@ from ortfx.transitions import Stats
 __all__ = [
     "DebugOptions",
     "FallbackPolicy",
+    "InferenceExport",
     "LogLevel",
     "MemoryPlan",
     "ORTModule",
@@ -48,12 +51,14 @@ __all__ = [
     "OrtfxRuntimeError",
     "OrtfxTorchModelError",
     "OrtfxUnsupportedOpError",
+    "OrtfxVerificationError",
     "OrtfxWarning",
     "Reason",
     "Stats",
     "Transition",
     "configure",
     "explain",
+    "export_for_inference",
     "inspect_activation",
     "invalidate",
     "memory_report",

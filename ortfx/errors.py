@@ -63,6 +63,11 @@ class OrtfxOutputExistsError(OrtfxError, FileExistsError):
     """An output directory of the convergence tools (``ortfx.hooks``) already exists."""
 
 
+class OrtfxVerificationError(OrtfxError, AssertionError):
+    """An inference export's outputs in ONNX Runtime differ from the module's own in PyTorch
+    by more than the tolerance (:func:`ortfx.export_for_inference`); nothing was written."""
+
+
 class OrtfxWarning(UserWarning):
     """Warnings ortfx emits: repeated re-exports, ignored settings, fallbacks."""
 

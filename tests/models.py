@@ -108,6 +108,18 @@ def tiny_bert() -> nn.Module:
     return BertForSequenceClassification(config)
 
 
+def tiny_mixtral() -> nn.Module:
+    """transformers' default experts: torch._grouped_mm, token counts by torch.histc."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
 def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     assert a is not None and b is not None, (a is None, b is None)
     return float((a.detach().double() - b.detach().double()).abs().max())

@@ -18,6 +18,7 @@ import transformers
 from transformers import cache_utils
 
 import ortfx
+from tests.models import tiny_mixtral
 
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
 VOCAB = 100
@@ -53,23 +54,13 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-def _mixtral() -> torch.nn.Module:
-    # transformers' default experts: torch._grouped_mm, token counts by torch.histc
-    config = transformers.MixtralConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    return transformers.MixtralForCausalLM(config)
-
-
 def test_a_mixture_of_experts_trains_and_generates_in_ort() -> None:
     """Mixtral with grouped-mm experts: histc and _grouped_mm run in torch inside the ORT graph
     (ATen nodes, the latter with its gradient); loss, gradients and greedy tokens match."""
     import ortfx._bridge  # built by the install: fail, never skip
 
     torch.manual_seed(0)
-    plain = _mixtral()
+    plain = tiny_mixtral()  # transformers' default experts: grouped_mm, histc
     wrapped = ortfx.ORTModule(copy.deepcopy(plain), options=STRICT)
     ids = _ids()
     _train_step(plain, wrapped, ids)

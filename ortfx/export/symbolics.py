@@ -384,6 +384,16 @@ def embedding(
     return node
 
 
+@helper.parse_args("v", "v", "i", "b", "v")
+def embedding_forward(
+    g: Any, weight: Any, indices: Any, padding_idx: int, scale_grad_by_freq: bool, sparse: Any
+) -> Any:
+    """:func:`embedding` for inference graphs: negative indices refused as in PyTorch, and
+    the padding row an ordinary row (it differs from the others only in its gradient), so
+    no ``ortfx::PaddedGather`` marker is written."""
+    return opset9.embedding(g, weight, _nonnegative(g, indices), -1, False, sparse)
+
+
 def cdist(g: Any, x1: Any, x2: Any, p: Any, compute_mode: Any = None) -> Any:
     """``torch.cdist`` for finite p > 0 from the differences themselves, with a root whose
     gradient is 0 where a distance is 0, as torch's ``_cdist_backward`` has it. The exporter's
@@ -660,20 +670,33 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
 }
 
 
-def table(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
-    """The symbolics above as ``(name, symbolic, opset)`` for an export at ``opset``, for
-    :func:`ortfx._torch.symbolics_registered` (ortfx's exports only; the user's own exports
-    never see them). Each is registered at the export's own opset, which the exporter then
-    picks over its built-in versions; one that needs a newer opset is left out."""
+def standard(opset: int, *, training: bool = False) -> list[tuple[str, Callable[..., Any], int]]:
+    """The symbolics above that write standard ONNX operators, as ``(name, symbolic, opset)``
+    for an export at ``opset``: PyTorch's values where the exporter's forms differ. Without
+    ``training`` (inference files, :mod:`ortfx.deploy`) only standard operators: no ATen node,
+    no PythonOp, and embeddings without ortfx's padding marker."""
+    bounds = (
+        NAN_AND_BOUNDS if training else {**NAN_AND_BOUNDS, "aten::embedding": embedding_forward}
+    )
     entries: list[tuple[str, Callable[..., Any], int]] = [
         ("aten::copy", copy, 9),
         ("aten::diff", diff, 9),
         ("aten::cumsum", cumsum, 11),
-        *((name, symbolic, 9) for name, symbolic in NAN_AND_BOUNDS.items()),
+        *((name, symbolic, 9) for name, symbolic in bounds.items()),
         ("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14),
     ]
+    return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
+
+
+def table(opset: int) -> list[tuple[str, Callable[..., Any], int]]:
+    """The symbolics above as ``(name, symbolic, opset)`` for a training export at ``opset``,
+    for :func:`ortfx._torch.symbolics_registered` (ortfx's exports only; the user's own exports
+    never see them). Each is registered at the export's own opset, which the exporter then
+    picks over its built-in versions; one that needs a newer opset is left out."""
+    entries: list[tuple[str, Callable[..., Any], int]] = []
     if aten.install():  # ops run by torch inside the graph need the bridge's executor
         entries += [(name, symbolic, low) for name, (symbolic, low) in ATEN_SYMBOLICS.items()]
     else:  # never let ORT differentiate through a detach silently
         entries.append(("aten::detach", _detach_without_bridge, 9))
-    return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
+    ours = [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
+    return standard(opset, training=True) + ours

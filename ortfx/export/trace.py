@@ -36,7 +36,7 @@ def exporting() -> bool:
 
 
 @contextlib.contextmanager
-def _one_export_at_a_time() -> Iterator[None]:
+def one_export_at_a_time() -> Iterator[None]:
     with _EXPORT_LOCK:
         _EXPORTING.depth = getattr(_EXPORTING, "depth", 0) + 1
         try:
@@ -301,7 +301,7 @@ def export(
     traced = rewrites.checkpoints_traced_directly(module, unsure=dynamo and any_grad)
     try:
         with (
-            _one_export_at_a_time(),
+            one_export_at_a_time(),
             rewrites.preserved_random_state(module),
             restore.state_preserved(module, exporting=True) as writes,
             rewrites.batch_norm_updates_in_graph(module),
