@@ -3,9 +3,7 @@ reasons they carry, and what the cache holds per entry. Frozen, compared by valu
 
 from __future__ import annotations
 
-import ast
 import functools
-import math
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import attrs
@@ -17,40 +15,6 @@ P = TypeVar("P")
 
 # (where, canonical value) per guard of a graph, in trace order (see model_info.Guard)
 Baked: TypeAlias = tuple[tuple[str, Any], ...]
-
-# Floats a run of ORT gives may differ from PyTorch's by rounding (another summation order):
-# within this, the graph's constant is the call's value.
-FLOAT_RTOL, FLOAT_ATOL = 1e-5, 1e-7
-
-
-def same_value(a: tuple[str, str], b: tuple[str, str]) -> bool:
-    """Whether two canonical guard values (``(type name, repr)``) are the same value: exactly,
-    or for floats (alone or in lists) within rounding."""
-    if a == b:
-        return True
-    if a[0] != b[0] or a[0] not in ("float", "list"):
-        return False
-    try:
-        x, y = ast.literal_eval(a[1]), ast.literal_eval(b[1])
-    except (ValueError, SyntaxError):  # nan, inf: compared exactly above
-        return False
-    return _close(x, y)
-
-
-def _close(x: Any, y: Any) -> bool:
-    if isinstance(x, list) and isinstance(y, list):
-        return len(x) == len(y) and all(_close(p, q) for p, q in zip(x, y, strict=True))
-    if type(x) is float and type(y) is float:
-        return math.isclose(x, y, rel_tol=FLOAT_RTOL, abs_tol=FLOAT_ATOL)
-    return bool(type(x) is type(y) and x == y)
-
-
-def same_values(a: Baked, b: Baked) -> bool:
-    """:func:`same_value` at every position (and the same locations)."""
-    return a == b or (
-        len(a) == len(b)
-        and all(p[0] == q[0] and same_value(p[1], q[1]) for p, q in zip(a, b, strict=True))
-    )
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ and torch's, ortfx's and the exporters' own code are not guarded.
 from __future__ import annotations
 
 import dis
+import gc
 import operator
 import os
 import sys
@@ -180,6 +181,11 @@ class Ran:
     # Frames of custom autograd Functions' apply being run: their bodies run again at every
     # call (ORT calls them), reading what they read then; not guarded.
     applying: set[int] = attrs.Factory(set)
+    # The garbage collector's callbacks (a test framework's timers, a profiler's): they run
+    # on this thread whenever a collection happens, and are not the forward's.
+    foreign: frozenset[types.CodeType] = attrs.Factory(
+        lambda: frozenset(c.__code__ for c in gc.callbacks if isinstance(c, types.FunctionType))
+    )
 
     def called(self, frame: types.FrameType) -> None:
         """A profile hook's ``call`` event."""
@@ -187,7 +193,7 @@ class Ran:
         if code is _torch.FUNCTION_APPLY_CODE:
             self.applying.add(id(frame))
             return
-        if self.applying:
+        if self.applying or code in self.foreign:
             return
         if code is _ENVIRON_GET:
             key = frame.f_locals.get("key")
@@ -759,8 +765,10 @@ def collect(ran: Ran | None, tree: Iterable[torch.nn.Module]) -> Outside:
             continue
         user = not _library(code)
         module_name = globs.get("__name__", "?")
-        for name in sorted(found.global_stores):  # the forward's own state
-            build.writes.append(f"global {name!r} of {module_name}")
+        if user:  # the forward's own state (a library's globals are its bookkeeping)
+            build.writes.extend(
+                f"global {n!r} of {module_name}" for n in sorted(found.global_stores)
+            )
         for chain in found.globals:
             head = chain[0]
             if head not in globs or head in found.global_stores:

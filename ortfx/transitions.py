@@ -35,7 +35,6 @@ from ortfx.keys import (
     SessionKey,
     Transition,
     decision_name,
-    same_values,
 )
 from ortfx.options import ExportOptions
 from ortfx.reasons import (
@@ -143,9 +142,7 @@ def resolve(state: ExportState[P], call: Call) -> Call:
         baked = entry.key.baked
         if baked is None or attrs.evolve(entry.key, baked=None) not in bases:
             continue
-        if hint is None or (
-            same_values(baked[: len(hint.prefix)], hint.prefix) and baked not in hint.failed
-        ):
+        if hint is None or (baked[: len(hint.prefix)] == hint.prefix and baked not in hint.failed):
             return attrs.evolve(call, key=entry.key)
     if hint is not None and hint.prefix:
         # None does: exported for this call (the reason names the value that differed).
@@ -279,6 +276,15 @@ def count_failure(state: ExportState[P]) -> ExportState[P]:
         state,
         stats=attrs.evolve(stats, calls=stats.calls + 1, failed_calls=stats.failed_calls + 1),
     )
+
+
+def rekey(state: ExportState[P], key: ExportKey, new: ExportKey) -> ExportState[P]:
+    """The state with the entry for ``key`` found under ``new`` (a guarded graph keyed by the
+    values ORT's run gives, see ortfx.runtime.execute)."""
+    entries = tuple(
+        attrs.evolve(e, key=new) if e.key is key or e.key == key else e for e in state.entries
+    )
+    return attrs.evolve(state, entries=entries)
 
 
 def replace_payload(state: ExportState[P], key: ExportKey, payload: P) -> ExportState[P]:

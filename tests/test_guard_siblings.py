@@ -231,3 +231,35 @@ def test_outside_state_reached_other_ways_is_guarded(case: str) -> None:
         assert _calls_match(make(), [(x,), (x,)], change=change) == 2
     finally:
         _restore_class_level()
+
+
+class Threshold(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = float(x.max())
+        return x / v if v > 1.0 else x * 10
+
+
+def test_floats_a_hair_apart_on_two_sides_of_a_branch() -> None:
+    """A float guard is compared exactly (against ORT's own value for the data it was traced
+    from): 0.999999 and 1.000001 take different branches, as in eager; the same data again
+    reuses its graph."""
+    calls = [(torch.tensor([0.5, top]),) for top in (0.999999, 1.000001, 0.999999, 1.000001)]
+    assert _calls_match(Threshold(), calls) == 2
+
+
+class TokenMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).squeeze(-1)
+        return h.sum() / float(h.abs().sum() + 1)  # a float ORT sums in its own order
+
+
+def test_a_float_orts_rounding_differs_on_is_one_graph_per_data() -> None:
+    """Where ORT's float differs from PyTorch's in the last bits, the same data served again
+    reuses the graph (keyed by ORT's value), with no export per call."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    assert _calls_match(TokenMean(), [(x,)] * 4) == 1

@@ -35,7 +35,7 @@ from ortfx.errors import (
 from ortfx.export import (
     raise_if_pytorch_raises,
 )
-from ortfx.keys import Baked, Call, GuardHint, same_value, same_values
+from ortfx.keys import Baked, Call, GuardHint
 from ortfx.model_info import PostExportProcessedModelInfo
 from ortfx.runtime import logs, watch
 from ortfx.runtime.autograd import RunORT
@@ -43,7 +43,13 @@ from ortfx.runtime.records import Compiled, Outcome, Retry, Shell, invalidate
 from ortfx.runtime.runners import said_ignored, training_for_sizes, with_inference_runner
 from ortfx.runtime.watch import Tracked
 from ortfx.schema import TensorSpec
-from ortfx.transitions import REPEATED_REEXPORT, ExportState, note_session, replace_payload
+from ortfx.transitions import (
+    REPEATED_REEXPORT,
+    ExportState,
+    note_session,
+    rekey,
+    replace_payload,
+)
 
 # ---- execute: run the graph in ORT -------------------------------------------------------------
 
@@ -116,7 +122,8 @@ def execute(
             # A constant of the graph may be what it cannot run this call with (a length to
             # split into): another of the key's graphs, or a new export, computes it.
             hint = call.hint or GuardHint()
-            failed = attrs.evolve(hint, failed=(*hint.failed, info.baked))
+            baked = call.key.baked if call.key.baked is not None else info.baked
+            failed = attrs.evolve(hint, failed=(*hint.failed, baked))
             return Retry(attrs.evolve(shell, fast=None), _first_line(error), hint=failed)
         if not (compiled.ran and call.key.options.exporter == "torchscript"):
             raise
@@ -124,10 +131,18 @@ def execute(
         # exporter keeps sizes symbolic; switching re-exports (the log says why).
         logs.exporter_switch(shell.log, error)
         return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
-    if info.guards and not this_call:
+    if info.guards:
         observed = info.observed(outputs)
-        if not same_values(observed, info.baked):  # computed with the wrong constants
-            return _guard_missed(shell, call, info, observed)
+        expected = call.key.baked if call.key.baked is not None else info.baked
+        if this_call:
+            if observed != expected:
+                # The graph ran the call it was traced from: its values are right, and ORT's
+                # rounding of them (another summation order) is what later runs give for the
+                # same data. The entry is keyed by ORT's values, compared exactly from now
+                # on: a float a hair away may sit on the other side of a branch.
+                new_state = rekey(new_state, call.key, attrs.evolve(call.key, baked=observed))
+        elif observed != expected:  # computed with the wrong constants
+            return _guard_missed(shell, call, info, expected, observed)
     if not built.ran:
         _check_output_dtypes(info, outputs)
     if 0 in [o.numel() for o in outputs[: info.n_user_outputs]]:
@@ -180,6 +195,7 @@ def _guard_missed(
     shell: Shell,
     call: Call,
     info: PostExportProcessedModelInfo,
+    expected: Baked,
     observed: Baked,
 ) -> Retry:
     """A run's guards gave other values than the graph baked in: the outputs are discarded and
@@ -188,13 +204,15 @@ def _guard_missed(
     policy then runs such calls in PyTorch)."""
     # Only the first difference is the call's own: later conversions ran on values computed
     # with the wrong constant.
-    first, guard, now = next(
-        (k, g, now)
-        for k, (g, (_, now)) in enumerate(zip(info.guards, observed, strict=True))
-        if not same_value(now, g.value)
+    first, guard, was, now = next(
+        (k, g, was, now)
+        for k, (g, (_, was), (_, now)) in enumerate(
+            zip(info.guards, expected, observed, strict=True)
+        )
+        if now != was
     )
     values = dict(shell.guard_values)
-    seen = values.get(guard.where, frozenset({guard.value})) | {now}
+    seen = values.get(guard.where, frozenset({was})) | {now}
     values[guard.where] = seen
     if len(seen) > MAX_GUARD_VALUES[guard.origin]:
         shown = ", ".join(sorted(v[1] for v in seen)[:5])
@@ -203,7 +221,7 @@ def _guard_missed(
                 where=guard.where, kind=guard.kind, count=len(seen), values=shown
             )
         )
-    cause = f"{guard.kind} at {guard.where} was {guard.value[1]}, now {now[1]}"
+    cause = f"{guard.kind} at {guard.where} was {was[1]}, now {now[1]}"
     shell = attrs.evolve(shell, guard_values=tuple(values.items()), fast=None)
     failed = call.hint.failed if call.hint is not None else ()
     return Retry(shell, cause, hint=GuardHint(observed[: first + 1], failed))
