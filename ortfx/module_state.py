@@ -186,5 +186,10 @@ class Attributes:
 
 
 def _same_scalar(now: Any, before: Any) -> bool:
-    """An equal plain value of the same type: the same constant for a trace."""
-    return type(now) is type(before) and type(now) in PLAIN and bool(now == before)
+    """An equal plain value of the same type, or a tuple of such (``m.hint = (4,)`` set again):
+    the same constant for a trace."""
+    if type(now) is not type(before):
+        return False
+    if type(now) is tuple:
+        return len(now) == len(before) and all(map(_same_scalar, now, before))
+    return type(now) in PLAIN and bool(now == before)

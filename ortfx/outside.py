@@ -393,8 +393,13 @@ def _contents(cell: types.CellType) -> Any:
 
 
 def _same_plain(now: Any, before: Any) -> bool:
-    """An equal plain value of the same type: the same constant for a trace."""
-    return type(now) is type(before) and isinstance(now, _PLAIN) and bool(now == before)
+    """An equal plain value of the same type, or a tuple of such: the same constant for a
+    trace."""
+    if type(now) is not type(before):
+        return False
+    if type(now) is tuple:
+        return len(now) == len(before) and all(map(_same_plain, now, before))
+    return isinstance(now, _PLAIN) and bool(now == before)
 
 
 @attrs.frozen(eq=False)

@@ -501,3 +501,29 @@ def test_peft_adapters_switched_in_a_loop(order: str) -> None:
     reference.set_adapter("second")
     got, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
     assert max_diff(got, expected) <= TOL
+
+
+def test_an_equal_tuple_set_again_is_no_change() -> None:
+    """A tuple of plain values assigned anew each step (another object, the same constant for
+    a trace) reuses the graph, public or private; a different tuple exports again."""
+
+    class Hinted(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hint = (4, 2.0)
+            self._shape = (2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.hint[1] + self._shape[0]
+
+    model = Hinted()
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        model.hint = tuple([4, 2.0])
+        model._shape = tuple([2, 2])
+        assert max_diff(wrapped(x), model(x)) <= TOL
+    assert ortfx.stats(wrapped).exports == 1
+    model.hint = (4, 3.0)
+    assert max_diff(wrapped(x), model(x)) <= TOL
+    assert ortfx.stats(wrapped).exports == 2
