@@ -32,6 +32,12 @@ def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return found
 
 
+def own_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """The submodules ``module`` itself holds, by local name (torch's own dict, see above)."""
+    found: dict[str, torch.nn.Module | None] = module._modules
+    return found
+
+
 def version(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter: it moves on every in-place change."""
     return int(tensor._version)

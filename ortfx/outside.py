@@ -636,10 +636,10 @@ class _Builder:
         if isinstance(obj, torch.nn.Module):
             if name in _MODULE_OWN - {"forward"}:
                 return _MISSING  # torch's bookkeeping and flags: compared elsewhere
-            child = own["_modules"].get(name, _MISSING)
+            child = _torch.own_modules(obj).get(name, _MISSING)
             if child is not _MISSING:
                 return child  # a submodule: registration hooks see it replaced
-            if name in own["_parameters"] or name in own["_buffers"]:
+            if name in _torch.own_parameters(obj) or name in _torch.own_buffers(obj):
                 return _MISSING  # fed to the graph
         label = f"attribute {name!r} of {type(obj).__name__}{where}"
         if name == "forward" and isinstance(obj, torch.nn.Module):

@@ -243,8 +243,17 @@ def test_attribute_set_through_wrapper_reexports() -> None:
     assert model.n_head == 2
     assert max_diff(wrapped(x), model(x)) <= 1e-6
     assert str(ortfx.explain(wrapped)[-1]) == (
-        "re-export: module was version 0, now version 1 (attribute 'n_head' set through the wrapper)"
+        "re-export: module was version 0, now version 1 "
+        "(attribute 'n_head' of GPTBlock set outside the wrapper)"
     )
+    # A plain value no graph reads (a training loop's bookkeeping), or the same value again:
+    # compared on the next call like any attribute, no export.
+    wrapped._stage = "train"
+    wrapped.n_head = 2
+    wrapped(x)
+    wrapped._stage = "validate"
+    wrapped(x)
+    assert ortfx.stats(wrapped).exports == 2
 
 
 def test_inner_parameter_replacement_is_detected() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortfx import io, module_state
+from ortfx import _torch, io, module_state
 from ortfx.errors import (
     ALREADY_WRAPPED,
     BAD_DEBUG_OPTIONS,
@@ -221,9 +221,19 @@ class ORTModule(torch.nn.Module):
         if name in _OWN or name.startswith("_ortfx") or _hook_state(self, name):
             object.__setattr__(self, name, value)
             return
-        with watch.muted(self.module):
-            setattr(self.module, name, value)
-        self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
+        module = self.module
+        registered = (
+            isinstance(value, torch.Tensor | torch.nn.Module)
+            or name in _torch.own_parameters(module)
+            or name in _torch.own_buffers(module)
+            or name in _torch.own_modules(module)
+        )
+        with watch.muted(module):
+            setattr(module, name, value)
+        if registered:  # a parameter, buffer or submodule: the hooks were muted for it
+            self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
+        # A plain value: each call compares what the graphs read (public attributes, and the
+        # private ones a trace loaded): an equal value, or one no graph reads, exports nothing.
 
     def __delattr__(self, name: str) -> None:
         if (
