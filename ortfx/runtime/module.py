@@ -123,6 +123,19 @@ class ORTModule(torch.nn.Module):
         return_annotation=inspect.Signature.empty
     )
 
+    # isinstance() answers as for the wrapped module: Python falls back to ``__class__`` when
+    # the type itself is no subclass, as it does for proxies (unittest.mock's spec). Libraries
+    # dispatch on the model's class (the Trainer on PreTrainedModel and PeftModel for saving,
+    # loading and the forward signature, PEFT's auto_mapping names it) and would otherwise
+    # treat the wrapper as an unknown module. ``type(wrapper)`` stays the wrapper class.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        module = self.__dict__.get("_modules", {}).get(state_dicts.INNER)
+        return type(self) if module is None else type(module)
+
+    def _get_name(self) -> str:
+        return "ORTModule"  # repr() names the wrapper, not the class __class__ answers
+
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped user module."""
