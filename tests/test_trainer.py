@@ -191,3 +191,32 @@ def test_ort_trainer_given_a_wrapper_trains_its_module_with_its_options(tmp_path
     assert ortfx.stats(wrapped).calls == 4
     trainer.evaluate(_data()[:4])  # the same wrapper evaluates: one more graph, no new wrapper
     assert trainer.ortfx_model is wrapped and ortfx.stats(wrapped).exports == 2
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_peft_generate_through_the_wrapper_decodes_in_ort(task_type: str | None) -> None:
+    """``ORTModule(peft_model).generate(...)``: PEFT's generate calls the base model's, whose
+    steps call the base model; ortfx routes them through the wrapper, so every step runs the
+    adapters' graph in ORT (before: all of it in PyTorch, nothing logged). Greedy, beam and
+    no-cache tokens equal the plain PeftModel's, and so do they with the adapter disabled."""
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, target_modules=LORA_TARGETS, task_type=task_type, init_lora_weights=False
+    )
+    model = peft.get_peft_model(_gpt2(), config).eval()
+    wrapped = ortfx.ORTModule(model, options=STRICT)
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    new = 6
+
+    def both(**kwargs: Any) -> None:
+        kwargs.update(max_new_tokens=new, do_sample=False, pad_token_id=0)
+        expected = model.generate(input_ids=ids, **kwargs)
+        assert torch.equal(wrapped.generate(input_ids=ids, **kwargs), expected), kwargs
+
+    for kwargs in ({}, {"num_beams": 2}, {"use_cache": False}):
+        both(**kwargs)
+    with model.disable_adapter():
+        both()
+    stats = ortfx.stats(wrapped)
+    assert (stats.calls, stats.fallback_calls) == (4 * new, 0)
+    assert model.get_base_model().forward.__func__ is type(model.get_base_model()).forward

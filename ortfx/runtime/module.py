@@ -373,6 +373,10 @@ def wrapper_class(cls: type[torch.nn.Module]) -> type[ORTModule]:
             forward.__signature__ = inspect.signature(user_forward)  # type: ignore[attr-defined]
             forward.__doc__ = user_forward.__doc__
             namespace: dict[str, Any] = dict(_user_methods(cls))
+            if _is_peft(cls):
+                # PEFT's generate calls the base model's generate, whose steps call the base
+                # model itself: route them through the wrapper (the adapters' forward).
+                namespace["generate"] = _on_module("generate", target=_base_model)
             namespace.update(forward=forward, __module__=ORTModule.__module__)
             found = type("ORTModule", (ORTModule,), namespace)
             found.__qualname__ = "ORTModule"
@@ -414,29 +418,45 @@ def _uses_super(function: Callable[..., Any]) -> bool:
 _IN_WRAPPER = watch.IN_WRAPPER
 
 
-def _on_module(name: str) -> Callable[..., Any]:
+def _is_peft(cls: type) -> bool:
+    """A PEFT model class (``PeftModel`` and its task subclasses), known without importing
+    peft: its ``get_base_model`` gives the model whose forward ``generate`` steps call."""
+    return cls.__module__.startswith("peft.") and callable(getattr(cls, "get_base_model", None))
+
+
+def _base_model(module: torch.nn.Module) -> torch.nn.Module:
+    base: torch.nn.Module = module.get_base_model()  # type: ignore[operator]
+    return base
+
+
+def _on_module(
+    name: str, *, target: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m
+) -> Callable[..., Any]:
     """A method that runs the user's ``name`` on the wrapped module (for methods that call
     ``super()``, e.g. Whisper's ``generate`` and transformers' ``prepare_inputs_for_generation``
     overrides), with the module's own calls (``self(...)``, ``self.forward(...)``) routed
-    through the wrapper, so that they run in ORT as when the wrapper is ``self``."""
+    through the wrapper, so that they run in ORT as when the wrapper is ``self``. ``target``
+    names the module whose calls are routed, when the method calls another module's forward
+    (a PEFT model's ``generate`` calls its base model's)."""
 
     def method(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if _IN_WRAPPER.get() or "forward" in vars(module):  # nested, or the user's own attribute
+        called = target(module)
+        if _IN_WRAPPER.get() or "forward" in vars(called):  # nested, or the user's attribute
             return getattr(module, name)(*args, **kwargs)
-        real = type(module).forward
+        real = type(called).forward
 
         def routed(*a: Any, **k: Any) -> Any:
             if _IN_WRAPPER.get():  # the wrapper exporting or falling back: the real forward
-                return real(module, *a, **k)
+                return real(called, *a, **k)
             return self._ortfx_forward(*a, **k)
 
         setattr(routed, module_state.ROUTED, True)  # ortfx's own, for this call only
-        object.__setattr__(module, "forward", routed)  # an instance attribute, for this call
+        object.__setattr__(called, "forward", routed)  # an instance attribute, for this call
         try:
             return getattr(module, name)(*args, **kwargs)
         finally:
-            vars(module).pop("forward", None)
+            vars(called).pop("forward", None)
 
     method.__name__ = method.__qualname__ = name
     return method
