@@ -103,24 +103,32 @@ def test_the_trainer_given_a_wrapped_tied_weight_model_saves_it_pretrained(
     assert (tmp_path / "ort" / "checkpoint-2" / "config.json").exists()
 
 
+@pytest.mark.parametrize("order", ["ORTModule(peft_model)", "get_peft_model(ORTModule(base))"])
 def test_the_trainer_given_a_wrapped_peft_model_keeps_the_columns_and_saves_the_adapter(
-    tmp_path: Path,
+    order: str, tmp_path: Path
 ) -> None:
-    """``Trainer(model=ORTModule(peft_model))`` with the default ``remove_unused_columns``:
-    the Trainer reads the base model's forward signature (before: the wrapper's
-    ``(*args, **kwargs)`` emptied every batch); checkpoints hold the adapter only, with
-    ``base_model_name_or_path`` and ``auto_mapping`` as the plain run writes them."""
+    """The Trainer given a PEFT model wrapped either way, with the default
+    ``remove_unused_columns``: it reads the base model's forward signature (before, for
+    ``ORTModule(peft_model)``: the wrapper's ``(*args, **kwargs)`` emptied every batch);
+    checkpoints hold the adapter only, with ``base_model_name_or_path`` and ``auto_mapping``
+    as the plain run writes them (before, wrapping the base: no name, and the class ORTModule),
+    and AutoPeftModel loads them."""
     _gpt2().save_pretrained(tmp_path / "base")  # a name_or_path, as a Hub model has
 
     def base() -> torch.nn.Module:
         return transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
 
-    wrapped = ortfx.ORTModule(_lora(base()), options=STRICT)
-    got = transformers.Trainer(model=wrapped, args=_args(tmp_path / "ort"), train_dataset=_data())
+    if order == "ORTModule(peft_model)":
+        model = ortfx.ORTModule(_lora(base()), options=STRICT)
+        wrapper = model
+    else:
+        wrapper = ortfx.ORTModule(base(), options=STRICT)
+        model = _lora(wrapper)
+    got = transformers.Trainer(model=model, args=_args(tmp_path / "ort"), train_dataset=_data())
     got.train()
     expected = _plain(_lora(base()), tmp_path / "plain")
     assert _losses(got) == pytest.approx(_losses(expected), abs=1e-4)
-    assert ortfx.stats(wrapped).fallback_calls == 0
+    assert (ortfx.stats(wrapper).calls, ortfx.stats(wrapper).fallback_calls) == (4, 0)
     checkpoint = tmp_path / "ort" / "checkpoint-2"
     _same_checkpoint(checkpoint, tmp_path / "plain" / "checkpoint-2")
     assert not (checkpoint / "model.safetensors").exists()

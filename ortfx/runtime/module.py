@@ -39,6 +39,13 @@ from ortfx.transitions import Stats
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
 _OWN = frozenset({"training", state_dicts.INNER, "_ortfx"})
 
+# Read from the model's instance dict (``model.__dict__.get(...)``), not through getattr: PEFT
+# takes ``name_or_path`` for adapter_config.json's ``base_model_name_or_path`` (and
+# AutoPeftModel loads the base from it). The wrapper keeps a copy in its own ``__dict__`` for
+# such readers, taken when wrapping and when set through the wrapper; attribute reads go to
+# the module (a class-level property wins over the copy).
+_INSTANCE_DICT_READS = ("name_or_path",)
+
 # Bookkeeping DeepSpeed writes on the modules it hooks, some on every forward
 # (ds_grads_remaining, applied_pre_backward_ref_cnt). Written on the wrapper, it is the
 # wrapper's own state: kept there, out of the user's module, so its forward cannot read it and
@@ -157,7 +164,20 @@ class ORTModule(torch.nn.Module):
 
     # ---- the engine slot -------------------------------------------------------------------
 
+    @property
+    def name_or_path(self) -> Any:
+        return getattr(self.module, "name_or_path")  # noqa: B009  # the property's own name
+
+    def _ortfx_mirror(self) -> None:
+        for name in _INSTANCE_DICT_READS:
+            value = vars(self.module).get(name, _ABSENT)
+            if value is _ABSENT:
+                self.__dict__.pop(name, None)
+            else:
+                self.__dict__[name] = value
+
     def _ortfx_setup(self, options: Options) -> None:
+        self._ortfx_mirror()
         shell = engine.Shell.create(options)
         self.__dict__["_ortfx"] = attrs.evolve(shell, watched=watch.module_ids(self.module))
         watch.watch(self)
@@ -236,6 +256,8 @@ class ORTModule(torch.nn.Module):
             return
         with watch.muted(self.module):
             setattr(self.module, name, value)
+        if name in _INSTANCE_DICT_READS:
+            self._ortfx_mirror()
         self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
 
     def __delattr__(self, name: str) -> None:
@@ -347,6 +369,8 @@ class ORTModule(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"exporter={self._ortfx.exporter!r}"
 
+
+_ABSENT = object()
 
 # Commits of every wrapper: each is a few attribute reads and one store.
 _COMMIT_LOCK = threading.RLock()
