@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from ortfx.options import LogLevel, Options
-from ortfx.runtime.module import ORTModule, stats
+from ortfx.runtime.module import ORTModule, options_of, stats
 
 __all__ = ["ORTSeq2SeqTrainer", "ORTTrainer"]
 
@@ -59,7 +59,8 @@ class _ORTTrainerMixin:
             else:
                 args = (model.module, *args[1:])
         # INFO: each export, re-export and fallback is one log line, as it happens.
-        self.ortfx_options = ortfx_options or Options(log_level=LogLevel.INFO)
+        default = Options(log_level=LogLevel.INFO) if wrapper is None else options_of(wrapper)
+        self.ortfx_options = ortfx_options or default
         self._ortfx_wrapper = wrapper
         super().__init__(*args, **kwargs)
         mixed = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
