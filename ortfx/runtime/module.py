@@ -144,6 +144,11 @@ class ORTModule(torch.nn.Module):
         return "ORTModule"  # repr() names the wrapper, not the class __class__ answers
 
     @property
+    def name_or_path(self) -> Any:
+        """The module's own (the copy in the wrapper's ``__dict__`` is for ``__dict__`` readers)."""
+        return getattr(self.module, "name_or_path")  # noqa: B009  # the property's own name
+
+    @property
     def module(self) -> torch.nn.Module:
         """The wrapped user module."""
         module: torch.nn.Module = self._modules[state_dicts.INNER]  # type: ignore[assignment]
@@ -164,11 +169,8 @@ class ORTModule(torch.nn.Module):
 
     # ---- the engine slot -------------------------------------------------------------------
 
-    @property
-    def name_or_path(self) -> Any:
-        return getattr(self.module, "name_or_path")  # noqa: B009  # the property's own name
-
     def _ortfx_mirror(self) -> None:
+        """Copy the attributes read through ``__dict__`` (_INSTANCE_DICT_READS)."""
         for name in _INSTANCE_DICT_READS:
             value = vars(self.module).get(name, _ABSENT)
             if value is _ABSENT:
