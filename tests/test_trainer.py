@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import ortfx
-from ortfx.hf import ORTTrainer
+from ortfx.hf import ORTSeq2SeqTrainer, ORTTrainer
 
 peft = pytest.importorskip("peft")  # a test extra, as accelerate
 
@@ -228,3 +228,37 @@ def test_peft_generate_through_the_wrapper_decodes_in_ort(task_type: str | None)
     stats = ortfx.stats(wrapped)
     assert (stats.calls, stats.fallback_calls) == (4 * new, 0)
     assert model.get_base_model().forward.__func__ is type(model.get_base_model()).forward
+
+
+def test_ort_seq2seq_trainer_is_the_seq2seq_trainer_with_the_steps_in_ort(tmp_path: Path) -> None:
+    """``Seq2SeqTrainer`` -> ``ORTSeq2SeqTrainer`` on a tiny T5: the same logged losses and
+    evaluation loss, every call in ORT (the training graph, then the eval graph)."""
+
+    def t5() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = transformers.T5Config(
+            num_layers=2, d_model=32, d_ff=64, d_kv=16, num_heads=2, vocab_size=100,
+            dropout_rate=0.0, decoder_start_token_id=0,
+        )  # fmt: skip
+        return transformers.T5ForConditionalGeneration(config)
+
+    ids = torch.randint(1, 100, (8, 6), generator=torch.Generator().manual_seed(2))
+    data = [{"input_ids": r, "labels": r.flip(0)} for r in ids]
+
+    def run(cls: Any, out: Path, **kwargs: Any) -> tuple[list[float], float, Any]:
+        args = transformers.Seq2SeqTrainingArguments(
+            str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, learning_rate=1e-3, seed=0,
+            disable_tqdm=True,
+        )  # fmt: skip
+        trainer = cls(model=t5(), args=args, train_dataset=data, **kwargs)
+        trainer.train()
+        evaluation = trainer.evaluate(data[:4])["eval_loss"]
+        return _losses(trainer), evaluation, trainer
+
+    got_losses, got_eval, got = run(ORTSeq2SeqTrainer, tmp_path / "ort", ortfx_options=STRICT)
+    losses, evaluation, _ = run(transformers.Seq2SeqTrainer, tmp_path / "plain")
+    assert got_losses == pytest.approx(losses, abs=1e-4)
+    assert got_eval == pytest.approx(evaluation, abs=1e-4)
+    stats = ortfx.stats(got.ortfx_model)
+    assert (stats.calls, stats.exports, stats.fallback_calls) == (3, 2, 0)
