@@ -262,3 +262,29 @@ def test_ort_seq2seq_trainer_is_the_seq2seq_trainer_with_the_steps_in_ort(tmp_pa
     assert got_eval == pytest.approx(evaluation, abs=1e-4)
     stats = ortfx.stats(got.ortfx_model)
     assert (stats.calls, stats.exports, stats.fallback_calls) == (3, 2, 0)
+
+
+def test_accelerate_prepares_trains_and_saves_the_wrapper(tmp_path: Path) -> None:
+    """accelerate with ``ORTModule(gpt2)``: ``prepare`` keeps the wrapper (one process, no
+    DDP), ``backward`` and ``save_model`` work, and losses and the saved tensors (tied
+    weights stored once) equal the plain model's run."""
+    accelerate = pytest.importorskip("accelerate")
+    ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(1))
+    losses: dict[str, list[float]] = {}
+    wrapper = ortfx.ORTModule(_gpt2(), options=STRICT)
+    for name, module in (("ort", wrapper), ("plain", _gpt2())):
+        accelerator = accelerate.Accelerator(cpu=True)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(module, optimizer)
+        assert model is module
+        losses[name] = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+        accelerator.save_model(model, tmp_path / name)
+    assert losses["ort"] == pytest.approx(losses["plain"], abs=1e-4)
+    assert (ortfx.stats(wrapper).calls, ortfx.stats(wrapper).fallback_calls) == (3, 0)
+    _same_checkpoint(tmp_path / "ort", tmp_path / "plain")
