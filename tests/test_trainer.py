@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import accelerate  # test extras: fail, never skip
+import peft
 import pytest
 import safetensors.torch
 import torch
@@ -18,8 +20,6 @@ import transformers
 
 import ortfx
 from ortfx.hf import ORTSeq2SeqTrainer, ORTTrainer
-
-peft = pytest.importorskip("peft")  # a test extra, as accelerate
 
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
 LORA_TARGETS = ["c_attn"]
@@ -268,7 +268,6 @@ def test_accelerate_prepares_trains_and_saves_the_wrapper(tmp_path: Path) -> Non
     """accelerate with ``ORTModule(gpt2)``: ``prepare`` keeps the wrapper (one process, no
     DDP), ``backward`` and ``save_model`` work, and losses and the saved tensors (tied
     weights stored once) equal the plain model's run."""
-    accelerate = pytest.importorskip("accelerate")
     ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(1))
     losses: dict[str, list[float]] = {}
     wrapper = ortfx.ORTModule(_gpt2(), options=STRICT)
