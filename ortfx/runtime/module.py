@@ -39,6 +39,13 @@ from ortfx.transitions import Stats
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
 _OWN = frozenset({"training", state_dicts.INNER, "_ortfx"})
 
+# Read from the model's instance dict (``model.__dict__.get(...)``), not through getattr: PEFT
+# takes ``name_or_path`` for adapter_config.json's ``base_model_name_or_path`` (and
+# AutoPeftModel loads the base from it). The wrapper keeps a copy in its own ``__dict__`` for
+# such readers, taken when wrapping and when set through the wrapper; attribute reads go to
+# the module (a class-level property wins over the copy).
+_INSTANCE_DICT_READS = ("name_or_path",)
+
 # Bookkeeping DeepSpeed writes on the modules it hooks, some on every forward
 # (ds_grads_remaining, applied_pre_backward_ref_cnt). Written on the wrapper, it is the
 # wrapper's own state: kept there, out of the user's module, so its forward cannot read it and
@@ -123,6 +130,24 @@ class ORTModule(torch.nn.Module):
         return_annotation=inspect.Signature.empty
     )
 
+    # isinstance() answers as for the wrapped module: Python falls back to ``__class__`` when
+    # the type itself is no subclass, as it does for proxies (unittest.mock's spec). Libraries
+    # dispatch on the model's class (the Trainer on PreTrainedModel and PeftModel for saving,
+    # loading and the forward signature, PEFT's auto_mapping names it) and would otherwise
+    # treat the wrapper as an unknown module. ``type(wrapper)`` stays the wrapper class.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        module = self.__dict__.get("_modules", {}).get(state_dicts.INNER)
+        return type(self) if module is None else type(module)
+
+    def _get_name(self) -> str:
+        return "ORTModule"  # repr() names the wrapper, not the class __class__ answers
+
+    @property
+    def name_or_path(self) -> Any:
+        """The module's own (the copy in the wrapper's ``__dict__`` is for ``__dict__`` readers)."""
+        return getattr(self.module, "name_or_path")  # noqa: B009  # the property's own name
+
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped user module."""
@@ -144,7 +169,17 @@ class ORTModule(torch.nn.Module):
 
     # ---- the engine slot -------------------------------------------------------------------
 
+    def _ortfx_mirror(self) -> None:
+        """Copy the attributes read through ``__dict__`` (_INSTANCE_DICT_READS)."""
+        for name in _INSTANCE_DICT_READS:
+            value = vars(self.module).get(name, _ABSENT)
+            if value is _ABSENT:
+                self.__dict__.pop(name, None)
+            else:
+                self.__dict__[name] = value
+
     def _ortfx_setup(self, options: Options) -> None:
+        self._ortfx_mirror()
         shell = engine.Shell.create(options)
         self.__dict__["_ortfx"] = attrs.evolve(shell, watched=watch.module_ids(self.module))
         watch.watch(self)
@@ -230,6 +265,8 @@ class ORTModule(torch.nn.Module):
         )
         with watch.muted(module):
             setattr(module, name, value)
+        if name in _INSTANCE_DICT_READS:
+            self._ortfx_mirror()
         if registered:  # a parameter, buffer or submodule: the hooks were muted for it
             self._ortfx_invalidate(f"attribute {name!r} set through the wrapper")
         # A plain value: each call compares what the graphs read (public attributes, and the
@@ -345,6 +382,8 @@ class ORTModule(torch.nn.Module):
         return f"exporter={self._ortfx.exporter!r}"
 
 
+_ABSENT = object()
+
 # Commits of every wrapper: each is a few attribute reads and one store.
 _COMMIT_LOCK = threading.RLock()
 
@@ -370,6 +409,10 @@ def wrapper_class(cls: type[torch.nn.Module]) -> type[ORTModule]:
             forward.__signature__ = inspect.signature(user_forward)  # type: ignore[attr-defined]
             forward.__doc__ = user_forward.__doc__
             namespace: dict[str, Any] = dict(_user_methods(cls))
+            if _is_peft(cls):
+                # PEFT's generate calls the base model's generate, whose steps call the base
+                # model itself: route them through the wrapper (the adapters' forward).
+                namespace["generate"] = _on_module("generate", target=_base_model)
             namespace.update(forward=forward, __module__=ORTModule.__module__)
             found = type("ORTModule", (ORTModule,), namespace)
             found.__qualname__ = "ORTModule"
@@ -411,29 +454,45 @@ def _uses_super(function: Callable[..., Any]) -> bool:
 _IN_WRAPPER = watch.IN_WRAPPER
 
 
-def _on_module(name: str) -> Callable[..., Any]:
+def _is_peft(cls: type) -> bool:
+    """A PEFT model class (``PeftModel`` and its task subclasses), known without importing
+    peft: its ``get_base_model`` gives the model whose forward ``generate`` steps call."""
+    return cls.__module__.startswith("peft.") and callable(getattr(cls, "get_base_model", None))
+
+
+def _base_model(module: torch.nn.Module) -> torch.nn.Module:
+    base: torch.nn.Module = module.get_base_model()  # type: ignore[operator]
+    return base
+
+
+def _on_module(
+    name: str, *, target: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m
+) -> Callable[..., Any]:
     """A method that runs the user's ``name`` on the wrapped module (for methods that call
     ``super()``, e.g. Whisper's ``generate`` and transformers' ``prepare_inputs_for_generation``
     overrides), with the module's own calls (``self(...)``, ``self.forward(...)``) routed
-    through the wrapper, so that they run in ORT as when the wrapper is ``self``."""
+    through the wrapper, so that they run in ORT as when the wrapper is ``self``. ``target``
+    names the module whose calls are routed, when the method calls another module's forward
+    (a PEFT model's ``generate`` calls its base model's)."""
 
     def method(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if _IN_WRAPPER.get() or "forward" in vars(module):  # nested, or the user's own attribute
+        called = target(module)
+        if _IN_WRAPPER.get() or "forward" in vars(called):  # nested, or the user's attribute
             return getattr(module, name)(*args, **kwargs)
-        real = type(module).forward
+        real = type(called).forward
 
         def routed(*a: Any, **k: Any) -> Any:
             if _IN_WRAPPER.get():  # the wrapper exporting or falling back: the real forward
-                return real(module, *a, **k)
+                return real(called, *a, **k)
             return self._ortfx_forward(*a, **k)
 
         setattr(routed, module_state.ROUTED, True)  # ortfx's own, for this call only
-        object.__setattr__(module, "forward", routed)  # an instance attribute, for this call
+        object.__setattr__(called, "forward", routed)  # an instance attribute, for this call
         try:
             return getattr(module, name)(*args, **kwargs)
         finally:
-            vars(module).pop("forward", None)
+            vars(called).pop("forward", None)
 
     method.__name__ = method.__qualname__ = name
     return method
