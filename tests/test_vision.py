@@ -1,0 +1,112 @@
+"""Vision models as timm and torchvision build them: BatchNorm updated through functional
+calls, hard activations' gradients; each against eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortfx
+
+STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d`` forward (timm/layers/norm_act.py): a BatchNorm2d subclass
+    calling ``F.batch_norm`` on its own buffers, then an activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = (
+                1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            )
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or self.track_running_stats
+        x = F.batch_norm(
+            x,
+            self.running_mean if keep else None,
+            self.running_var if keep else None,
+            self.weight,
+            self.bias,
+            use_batch,
+            factor,
+            self.eps,
+        )
+        return torch.relu(x)
+
+
+class FunctionalNorm(nn.Module):
+    """A module normalizing by statistics it keeps in its own buffers, through F.batch_norm."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("var", torch.ones(channels))
+        self.scale = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.mean, self.var, self.scale, None, self.training, 0.2, 1e-5)
+
+
+class SubclassedNorm(nn.BatchNorm2d):
+    """A subclass whose forward adds to torch's (super().forward, F.batch_norm inside)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def _net(norm: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.Conv2d(4, 2, 1))
+
+
+NORMS: dict[str, Callable[[], nn.Module]] = {
+    "BatchNormAct2d": lambda: BatchNormAct2d(4),
+    "BatchNormAct2d-cumulative": lambda: BatchNormAct2d(4, momentum=None),
+    "functional": lambda: FunctionalNorm(4),
+    "subclass": lambda: SubclassedNorm(4),
+}
+
+
+def _steps(model: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in inputs:
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_functional_batch_norm_updates_statistics_as_eager(name: str) -> None:
+    """Running statistics updated through F.batch_norm (a subclass's forward, a module's own
+    buffers) match eager after every step, the exporting one included, and eval after
+    training matches."""
+    torch.manual_seed(0)
+    eager = _net(NORMS[name]())
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    inputs = [torch.randn(4, 3, 6, 6) for _ in range(3)]
+    for step, x in enumerate(inputs):
+        expected, got = _steps(eager, [x]), _steps(wrapped, [x])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for (path, a), (_, b) in zip(
+            eager.named_buffers(), wrapped.module.named_buffers(), strict=True
+        ):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{path}, step {step}")
+    eager.eval()
+    wrapped.eval()
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert ortfx.stats(wrapped).fallback_calls == 0
