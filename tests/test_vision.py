@@ -110,3 +110,75 @@ def test_functional_batch_norm_updates_statistics_as_eager(name: str) -> None:
     x = torch.randn(2, 3, 6, 6, requires_grad=True)
     torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-6)
     assert ortfx.stats(wrapped).fallback_calls == 0
+
+
+class Activation(nn.Module):
+    """``act(x * w)`` with ``w`` ones: the activation's gradient reaches both ``x`` and ``w``."""
+
+    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor], size: int) -> None:
+        super().__init__()
+        self.act = act
+        self.w = nn.Parameter(torch.ones(size, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x * self.w.to(x.dtype))
+
+
+# The kinks and their neighbours, and values well inside and outside.
+KINKS = [-4.0, -3.0001, -3.0, -2.9999, -1.0, 0.0, 0.5, 2.9999, 3.0, 3.0001, 5.0]
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Hardswish": nn.Hardswish(),
+    "F.hardswish": F.hardswish,
+    "Hardsigmoid": nn.Hardsigmoid(),
+    "F.hardsigmoid": F.hardsigmoid,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_hard_activations_train_as_eager(name: str, dtype: torch.dtype) -> None:
+    """Hardswish and Hardsigmoid train in ORT (ORT 1.19 cannot differentiate them: the graph
+    writes them as ops it can), with eager's values and gradients, at the kinks too."""
+    eager = Activation(ACTIVATIONS[name], len(KINKS))
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    results = []
+    for model in (eager, wrapped):
+        x = torch.tensor(KINKS, dtype=dtype, requires_grad=True)
+        y = model(x)
+        (y * torch.linspace(1, 2, len(KINKS), dtype=dtype)).sum().backward()
+        results.append(
+            (y.detach(), x.grad, model.w.grad if model is eager else wrapped.module.w.grad)
+        )
+    for got, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert ortfx.stats(wrapped).fallback_calls == 0
+
+
+class MobileBlock(nn.Module):
+    """MobileNetV3's inverted residual: conv, BatchNorm, hardswish, squeeze-excite gated by
+    hardsigmoid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.Hardswish())
+        self.squeeze = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 4, 1), nn.ReLU(), nn.Conv2d(4, 8, 1)
+        )
+        self.project = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.expand(x)
+        out: torch.Tensor = x + self.project(h * F.hardsigmoid(self.squeeze(h)))
+        return out
+
+
+def test_mobilenet_block_trains_in_ort() -> None:
+    """A MobileNetV3 block trains in ORT (no fallback) with eager's losses and statistics."""
+    torch.manual_seed(0)
+    eager = MobileBlock()
+    wrapped = ortfx.ORTModule(copy.deepcopy(eager), options=STRICT)
+    inputs = [torch.randn(4, 3, 5, 5) * 3 for _ in range(3)]
+    torch.testing.assert_close(_steps(wrapped, inputs), _steps(eager, inputs), rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager.buffers(), wrapped.module.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert ortfx.stats(wrapped).fallback_calls == 0
