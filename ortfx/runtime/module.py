@@ -172,6 +172,9 @@ class ORTModule(torch.nn.Module):
     def _ortfx_invalidate(self, cause: str) -> None:
         self._ortfx_update(lambda shell: engine.invalidate(shell, cause))
 
+    # Opaque to Dynamo: torch.compile of the wrapper (or of a model holding it) runs ortfx's
+    # call as it is, a graph break, instead of tracing ortfx's own bookkeeping.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         base = self._ortfx
