@@ -26,8 +26,8 @@ convergence-demo: $(STAMP)
 	$(PY) -m ortfx.hooks.demo --overwrite
 
 lint: $(STAMP)
-	$(PY) -m ruff check ortfx tests property_tests bench
-	$(PY) -m ruff format --check ortfx tests property_tests bench
+	$(PY) -m ruff check ortfx tests property_tests bench conftest.py
+	$(PY) -m ruff format --check ortfx tests property_tests bench conftest.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
