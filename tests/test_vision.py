@@ -4,6 +4,7 @@ calls, hard activations' gradients; each against eager PyTorch."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -231,3 +232,43 @@ def test_library_models_train_as_eager(name: str) -> None:
         ):
             torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=_where(path, step))
     assert ortfx.stats(wrapped).fallback_calls == 0
+
+
+class CheckpointedNorm(nn.Module):
+    """A conv + BatchNorm stage run through torch.utils.checkpoint (timm's
+    ``set_grad_checkpointing()``): eager's recompute updates the statistics again."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.stage = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            out: torch.Tensor = torch.utils.checkpoint.checkpoint(
+                self.stage, x, use_reentrant=False
+            )
+            return out
+        out = self.stage(x)
+        return out
+
+
+def test_checkpointed_batch_norm_updates_once_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under checkpointing ortfx updates BatchNorm statistics once per step, as the model does
+    without checkpointing (eager's recompute updates them twice), and says so in one WARNING
+    naming the buffers."""
+    torch.manual_seed(0)
+    wrapped = ortfx.ORTModule(CheckpointedNorm(checkpointed=True), options=STRICT)
+    plain = copy.deepcopy(wrapped.module)
+    plain.checkpointed = False
+    inputs = [torch.randn(4, 3, 6, 6) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        got = _steps(wrapped, inputs)
+    torch.testing.assert_close(got, _steps(plain, inputs), rtol=1e-5, atol=1e-6)
+    for a, b in zip(plain.buffers(), wrapped.module.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    said = [r.getMessage() for r in caplog.records if "a second time per step" in r.getMessage()]
+    assert len(said) == 1
+    assert "stage.1.num_batches_tracked, stage.1.running_mean, stage.1.running_var" in said[0]

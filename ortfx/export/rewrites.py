@@ -309,6 +309,9 @@ class Checkpoints:
     # A reentrant checkpoint was met: whether its outputs carry gradients depends on its
     # arguments' requires_grad, so the graph serves calls with these flags and grad mode only.
     reads_grad: bool = False
+    # Buffers a checkpointed function updated (BatchNorm statistics): eager's recompute in
+    # the backward updates them a second time, the graph once.
+    updated: set[str] = attrs.field(factory=set)
 
 
 def _detached(value: Any) -> Any:
@@ -379,11 +382,21 @@ def checkpoints_traced_directly(
     record = Checkpoints()
     public, reentrant = ckpt.checkpoint, ckpt.CheckpointFunction
     exporting = threading.get_ident()
+    buffers = dict(module.named_buffers())
+
+    def watched(function: Any, *args: Any, **kwargs: Any) -> Any:
+        before = {name: _torch.version(b) for name, b in buffers.items()}
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record.updated.update(
+                name for name, b in buffers.items() if _torch.version(b) != before[name]
+            )
 
     def as_reentrant(function: Any, args: tuple[Any, ...]) -> Any:
         record.reads_grad = True
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return function(*args)
+            return watched(function, *args)
         if unsure:
             raise OrtfxExportError(
                 REENTRANT_CHECKPOINT_UNSURE.format(
@@ -392,7 +405,7 @@ def checkpoints_traced_directly(
             )
         _warn_no_input_requires_grad(reentrant)
         with torch.no_grad():
-            out = function(*args)
+            out = watched(function, *args)
         return optree.tree_map(_detached, out, namespace=io.NAMESPACE)
 
     def direct(function: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -408,7 +421,7 @@ def checkpoints_traced_directly(
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
         record.calls += 1
         if own.get("use_reentrant") is False:
-            return function(*args, **kwargs)
+            return watched(function, *args, **kwargs)
         return as_reentrant(function, args)
 
     class Direct:
