@@ -172,9 +172,6 @@ class ORTModule(torch.nn.Module):
     def _ortfx_invalidate(self, cause: str) -> None:
         self._ortfx_update(lambda shell: engine.invalidate(shell, cause))
 
-    # Opaque to Dynamo: torch.compile of the wrapper (or of a model holding it) runs ortfx's
-    # call as it is, a graph break, instead of tracing ortfx's own bookkeeping.
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         base = self._ortfx
@@ -363,7 +360,12 @@ def wrapper_class(cls: type[torch.nn.Module]) -> type[ORTModule]:
             forward.__signature__ = inspect.signature(user_forward)  # type: ignore[attr-defined]
             forward.__doc__ = user_forward.__doc__
             namespace: dict[str, Any] = dict(_user_methods(cls))
-            namespace.update(forward=forward, __module__=ORTModule.__module__)
+            # Opaque to Dynamo: torch.compile of the wrapper (or of a model holding it) runs
+            # ortfx's call as it is, a graph break, instead of tracing ortfx's bookkeeping.
+            # Here, not at import: torch.compiler.disable imports Dynamo, which wraps
+            # torch.manual_seed, and importing ortfx leaves torch alone.
+            opaque = torch.compiler.disable(forward)  # type: ignore[no-untyped-call]
+            namespace.update(forward=opaque, __module__=ORTModule.__module__)
             found = type("ORTModule", (ORTModule,), namespace)
             found.__qualname__ = "ORTModule"
             _CLASSES[cls] = found
