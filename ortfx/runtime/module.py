@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from ortfx import io, module_state
+from ortfx import _torch, io, module_state
 from ortfx.errors import (
     ALREADY_WRAPPED,
     BAD_DEBUG_OPTIONS,
@@ -173,6 +173,14 @@ class ORTModule(torch.nn.Module):
         self._ortfx_update(lambda shell: engine.invalidate(shell, cause))
 
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Under torch.compile: ortfx's call runs as it is, a graph break (Dynamo would
+            # trace ortfx's bookkeeping). Dynamo is imported by then; importing it here only
+            # then keeps it (and its torch.manual_seed wrapper, its memory) out otherwise.
+            return _torch.opaque_to_dynamo(ORTModule._ortfx_call)(self, *args, **kwargs)
+        return self._ortfx_call(*args, **kwargs)
+
+    def _ortfx_call(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         base = self._ortfx
         token = _IN_WRAPPER.set(True)  # the module's own forward from here on (_on_module)
@@ -360,12 +368,7 @@ def wrapper_class(cls: type[torch.nn.Module]) -> type[ORTModule]:
             forward.__signature__ = inspect.signature(user_forward)  # type: ignore[attr-defined]
             forward.__doc__ = user_forward.__doc__
             namespace: dict[str, Any] = dict(_user_methods(cls))
-            # Opaque to Dynamo: torch.compile of the wrapper (or of a model holding it) runs
-            # ortfx's call as it is, a graph break, instead of tracing ortfx's bookkeeping.
-            # Here, not at import: torch.compiler.disable imports Dynamo, which wraps
-            # torch.manual_seed, and importing ortfx leaves torch alone.
-            opaque = torch.compiler.disable(forward)  # type: ignore[no-untyped-call]
-            namespace.update(forward=opaque, __module__=ORTModule.__module__)
+            namespace.update(forward=forward, __module__=ORTModule.__module__)
             found = type("ORTModule", (ORTModule,), namespace)
             found.__qualname__ = "ORTModule"
             _CLASSES[cls] = found
