@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml setup.py ortfx/_bridge.cpp
 	# torch first and pinned, so nothing later can pull a CUDA build on a CPU machine.
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	# torchvision's CUDA-built extension does not load beside the CPU torch: tests/vision_libraries.py
+	$(PY) tests/install_torchvision_hook.py
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,8 +28,8 @@ convergence-demo: $(STAMP)
 	$(PY) -m ortfx.hooks.demo --overwrite
 
 lint: $(STAMP)
-	$(PY) -m ruff check ortfx tests property_tests bench
-	$(PY) -m ruff format --check ortfx tests property_tests bench
+	$(PY) -m ruff check ortfx tests property_tests bench conftest.py
+	$(PY) -m ruff format --check ortfx tests property_tests bench conftest.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

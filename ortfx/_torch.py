@@ -397,3 +397,14 @@ def _undo_registration(
     if earlier is None:
         return lambda: functions.remove_override(opset)
     return lambda: functions.override(opset, earlier)
+
+
+_OPAQUE: dict[Any, Any] = {}
+
+
+def opaque_to_dynamo(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` wrapped by ``torch.compiler.disable`` (cached): Dynamo runs it as it is."""
+    found = _OPAQUE.get(function)
+    if found is None:
+        found = _OPAQUE[function] = torch.compiler.disable(function)  # type: ignore[no-untyped-call]
+    return found  # type: ignore[no-any-return]

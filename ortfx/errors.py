@@ -312,6 +312,14 @@ CHECKPOINT_NOT_RECOMPUTED = (
     "Options(memory_opt_level=1) or set ORTMODULE_MEMORY_OPT_LEVEL=1"
 )
 
+CHECKPOINT_UPDATES_ONCE = (
+    "buffers updated inside torch.utils.checkpoint functions (%s): PyTorch's recompute in the "
+    "backward runs those functions again and updates them a second time per step (BatchNorm "
+    "statistics move twice, num_batches_tracked counts 2 per step); ortfx's graph updates them "
+    "once, as the same model does without checkpointing. Running statistics therefore differ "
+    "from eager's with checkpointing (and equal eager's without it)"
+)
+
 OPS_IN_TORCH = (
     "%s cannot be expressed in ONNX; ortfx exported it as ATen node(s) that ONNX Runtime runs "
     "by calling torch inside the graph (no gradient flows through them)"

@@ -181,3 +181,40 @@ def test_transformers_model_train_and_eval_through_the_wrapper() -> None:
     wrapped = ortfx.ORTModule(model)
     assert wrapped.eval() is wrapped and not model.training
     assert wrapped.train() is wrapped and model.training
+
+
+class WithWrapped(nn.Module):
+    """A model holding a wrapped submodule, with torch code around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ortfx.ORTModule(WithMethod(), options=STRICT)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.relu(self.inner(x)))
+        return out
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_torch_compile_treats_the_wrapper_as_opaque(outer: bool) -> None:
+    """torch.compile of the wrapper (or of a model holding it) runs the wrapper's call as it
+    is (ortfx is opaque to Dynamo): eager's outputs and gradients, the graph run in ORT."""
+    torch.manual_seed(0)
+    model = WithWrapped() if outer else ortfx.ORTModule(WithMethod(), options=STRICT)
+    wrapper = model.inner if isinstance(model, WithWrapped) else model
+    eager = WithWrapped() if outer else WithMethod()
+    eager.load_state_dict(model.state_dict())
+    if isinstance(eager, WithWrapped):
+        eager.inner = eager.inner.module
+    compiled = torch.compile(model)
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        got, expected = compiled(x), eager(x)
+        torch.testing.assert_close(got, expected)
+        got.square().sum().backward()
+        expected.square().sum().backward()
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
+    stats = ortfx.stats(wrapper)
+    assert (stats.exports, stats.calls, stats.fallback_calls) == (1, 2, 0)

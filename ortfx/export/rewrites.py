@@ -98,39 +98,91 @@ def generators_restored(saved: dict[int, tuple[torch.Generator, torch.Tensor]]) 
 # ---- BatchNorm: the running statistics as ops of the graph --------------------------------------
 
 
-def _batch_norm_train(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """``_BatchNorm.forward`` in train mode with the running statistics updated by explicit
-    tensor ops, which the exporter keeps in the graph (its own BatchNormalization would update
-    them with the biased variance, and ``momentum=None`` is a Python value computed from
-    ``num_batches_tracked``, which a trace would bake in)."""
-    assert self.num_batches_tracked is not None
+# torch's own, bound once: ortfx's bodies call it while the public name is rebound.
+_BATCH_NORM = torch.nn.functional.batch_norm
+
+
+def _update_statistics(
+    x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, factor: float | torch.Tensor
+) -> None:
+    """Eager's update of running statistics, as explicit in-place ops the exporter keeps in
+    the graph as buffer updates (its own BatchNormalization would update them with the
+    biased variance, or, for a functional call, not at all)."""
     # The statistics carry no gradient (torch's kernel updates them outside autograd); ortfx's
     # own no_grad, not a region of the user's that stops gradients.
     with torch.no_grad(), own_code():
-        self.num_batches_tracked.add_(1)
-        factor = (1.0 / self.num_batches_tracked) if self.momentum is None else self.momentum
         dims = [0, *range(2, x.dim())]
-        self.running_mean.mul_(1 - factor).add_(x.mean(dims) * factor)
-        self.running_var.mul_(1 - factor).add_(x.var(dims, unbiased=True) * factor)
+        mean.mul_(1 - factor).add_(x.mean(dims) * factor)
+        var.mul_(1 - factor).add_(x.var(dims, unbiased=True) * factor)
+
+
+def _normalized_by_batch(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     channels = x.shape[1]
     # Placeholder statistics: in training mode the output uses the batch's own.
     mean, var = torch.zeros(channels, dtype=x.dtype), torch.ones(channels, dtype=x.dtype)
-    out: torch.Tensor = torch.nn.functional.batch_norm(
-        x, mean, var, self.weight, self.bias, True, 0.0, self.eps
-    )
+    out: torch.Tensor = _BATCH_NORM(x, mean, var, weight, bias, True, 0.0, eps)
     return out
 
 
-def _batch_norm_eval(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """``_BatchNorm.forward`` with running statistics, as plain arithmetic: ORT's training
-    graph turns a BatchNormalization node into its training form, which would normalize an
-    eval-mode call with gradients by the batch's statistics instead of the running ones."""
+def _normalized_by_statistics(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """Eval-mode normalization as plain arithmetic: ORT's training graph turns a
+    BatchNormalization node into its training form, which would normalize an eval-mode call
+    with gradients by the batch's statistics instead of the running ones."""
     shape = [1, -1, *([1] * (x.dim() - 2))]
-    scale = torch.rsqrt(self.running_var + self.eps)
-    y: torch.Tensor = (x - self.running_mean.reshape(shape)) * scale.reshape(shape)
-    if self.weight is not None:
-        y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
+    y: torch.Tensor = (x - mean.reshape(shape)) * torch.rsqrt(var + eps).reshape(shape)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
     return y
+
+
+def _batch_norm_train(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` in train mode, ``momentum=None`` included (a Python value
+    computed from ``num_batches_tracked``, which a trace would bake in: here a tensor op)."""
+    assert self.num_batches_tracked is not None
+    with torch.no_grad(), own_code():
+        self.num_batches_tracked.add_(1)
+    factor = (1.0 / self.num_batches_tracked) if self.momentum is None else self.momentum
+    _update_statistics(x, self.running_mean, self.running_var, factor)
+    return _normalized_by_batch(x, self.weight, self.bias, self.eps)
+
+
+def _batch_norm_eval(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` with running statistics (eval mode)."""
+    return _normalized_by_statistics(
+        x, self.running_mean, self.running_var, self.weight, self.bias, self.eps
+    )
+
+
+def _functional_batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.batch_norm`` as eager computes it, for forwards that call it themselves (timm's
+    ``BatchNormAct2d``, a module normalizing by its own buffers): the running statistics
+    updated by graph ops in training, read by arithmetic otherwise."""
+    if running_mean is None or running_var is None or momentum is None:
+        return _BATCH_NORM(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if training:
+        _update_statistics(input, running_mean, running_var, momentum)
+        return _normalized_by_batch(input, weight, bias, eps)
+    return _normalized_by_statistics(input, running_mean, running_var, weight, bias, eps)
 
 
 def _on_this_thread(
@@ -151,7 +203,12 @@ def _on_this_thread(
 def batch_norm_updates_in_graph(module: torch.nn.Module) -> Iterator[None]:
     """Export each BatchNorm with running statistics through :func:`_batch_norm_train` (train
     mode) or :func:`_batch_norm_eval` (eval mode); set on the instances for the export only,
-    and for the exporting thread only (another thread calling the same module runs torch's)."""
+    and for the exporting thread only (another thread calling the same module runs torch's).
+
+    Every other ``F.batch_norm`` call (a subclass's own forward, a module's functional call on
+    its buffers) goes through :func:`_functional_batch_norm`: ``torch.nn.functional.batch_norm``
+    and the bindings of it in the modules defining ``module``'s classes are swapped for the
+    export's duration, thread-checked as the checkpoint bindings are."""
     base = _torch.batch_norm_base()
     patched = [
         m
@@ -165,11 +222,36 @@ def batch_norm_updates_in_graph(module: torch.nn.Module) -> Iterator[None]:
         body = _batch_norm_train if m.training else _batch_norm_eval
         # Straight into the instance dict: no module __setattr__ bookkeeping for ortfx's own.
         vars(m)["forward"] = _on_this_thread(body, m, types.MethodType(type(m).forward, m))
+    exporting = threading.get_ident()
+
+    def batch_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.get_ident() == exporting:
+            return _functional_batch_norm(*args, **kwargs)
+        return _BATCH_NORM(*args, **kwargs)
+
+    functional = torch.nn.functional
+    undo = _rebind(vars(functional), _BATCH_NORM, batch_norm)
     try:
+        for namespace in _class_modules(module, skip=functional):
+            undo += _rebind(namespace, _BATCH_NORM, batch_norm)
         yield
     finally:
+        for namespace, name, value in reversed(undo):
+            namespace[name] = value
         for m in patched:
             vars(m).pop("forward", None)
+
+
+def _class_modules(module: torch.nn.Module, *, skip: types.ModuleType) -> list[dict[str, Any]]:
+    """The namespaces of the Python modules defining ``module``'s classes (and their bases):
+    where a ``from ... import`` binding of a replaced function lives."""
+    found: dict[int, dict[str, Any]] = {}
+    for m in module.modules():
+        for klass in type(m).__mro__:
+            code = sys.modules.get(klass.__module__)
+            if code is not None and code is not skip:
+                found.setdefault(id(code), vars(code))
+    return list(found.values())
 
 
 # ---- torch.utils.checkpoint: the checkpointed function traced as plain code ---------------------
@@ -227,6 +309,9 @@ class Checkpoints:
     # A reentrant checkpoint was met: whether its outputs carry gradients depends on its
     # arguments' requires_grad, so the graph serves calls with these flags and grad mode only.
     reads_grad: bool = False
+    # Buffers a checkpointed function updated (BatchNorm statistics): eager's recompute in
+    # the backward updates them a second time, the graph once.
+    updated: set[str] = attrs.field(factory=set)
 
 
 def _detached(value: Any) -> Any:
@@ -297,11 +382,21 @@ def checkpoints_traced_directly(
     record = Checkpoints()
     public, reentrant = ckpt.checkpoint, ckpt.CheckpointFunction
     exporting = threading.get_ident()
+    buffers = dict(module.named_buffers())
+
+    def watched(function: Any, *args: Any, **kwargs: Any) -> Any:
+        before = {name: _torch.version(b) for name, b in buffers.items()}
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record.updated.update(
+                name for name, b in buffers.items() if _torch.version(b) != before[name]
+            )
 
     def as_reentrant(function: Any, args: tuple[Any, ...]) -> Any:
         record.reads_grad = True
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return function(*args)
+            return watched(function, *args)
         if unsure:
             raise OrtfxExportError(
                 REENTRANT_CHECKPOINT_UNSURE.format(
@@ -310,7 +405,7 @@ def checkpoints_traced_directly(
             )
         _warn_no_input_requires_grad(reentrant)
         with torch.no_grad():
-            out = function(*args)
+            out = watched(function, *args)
         return optree.tree_map(_detached, out, namespace=io.NAMESPACE)
 
     def direct(function: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -326,7 +421,7 @@ def checkpoints_traced_directly(
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
         record.calls += 1
         if own.get("use_reentrant") is False:
-            return function(*args, **kwargs)
+            return watched(function, *args, **kwargs)
         return as_reentrant(function, args)
 
     class Direct:
@@ -342,10 +437,8 @@ def checkpoints_traced_directly(
     try:
         for m in module.modules():
             undo += _rebind(vars(m), public, direct)
-            for klass in type(m).__mro__:
-                code = sys.modules.get(klass.__module__)
-                if code is not None and code is not ckpt:
-                    undo += _rebind(vars(code), public, direct)
+        for namespace in _class_modules(module, skip=ckpt):
+            undo += _rebind(namespace, public, direct)
         yield record
     finally:
         for namespace, name, value in reversed(undo):

@@ -79,6 +79,8 @@ class Exported:
     info: PostExportProcessedModelInfo
     seconds: float
     checkpoint_calls: int  # torch.utils.checkpoint calls traced directly
+    # Buffers updated inside checkpointed functions (eager updates them again on recompute).
+    checkpoint_updates: tuple[str, ...] = ()
     tracer_warnings: tuple[str, ...] = ()  # values the tracer baked in, with their location
     # Graph names of the custom autograd.Functions exported as PythonOp nodes.
     custom_functions: tuple[str, ...] = ()
@@ -400,6 +402,7 @@ def export(
         info,
         time.perf_counter() - start,
         checkpoints.calls,
+        tuple(sorted(checkpoints.updated)),
         baked,
         custom,
         reads_grad_mode=seen.mode or checkpoints.reads_grad,

@@ -39,6 +39,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         workarounds.stop_edges_behind_identity,
         workarounds.guard_integer_division,
         workarounds.reductions_keep_dims,
+        workarounds.hard_activations_differentiable,
         workarounds.where_gradients_reduce,
         workarounds.conv1d_grouped_as_2d,
         speed.tanh_as_sigmoid,

@@ -1,10 +1,14 @@
 """Rewrites around ORT 1.19 faults, each into an equivalent graph ORT runs soundly: a stop edge
 its gradient builder crosses, integer division by zero (the process dies), reductions whose
 gradient it builds wrong, ``Where`` operands whose broadcast gradient it does not reduce, and
-grouped 1-d convolutions whose CPU gradient writes out of bounds."""
+grouped 1-d convolutions whose CPU gradient writes out of bounds; and hard activations it
+cannot differentiate at all."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import onnx
 
 from ortfx import aten
@@ -350,6 +354,87 @@ def conv1d_grouped_as_2d(model: onnx.ModelProto) -> bool:
         else:
             squeeze = h.make_node("Squeeze", [f"{tag}_y"], list(node.output), name=tag, axes=[2])
         nodes.append(squeeze)
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return changed
+
+
+# numpy dtypes of the float element types the hard activations are rewritten for.
+_HARD_DTYPES = {
+    onnx.TensorProto.FLOAT: np.float32,
+    onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.FLOAT16: np.float16,
+}
+
+
+def _hard_activation(node: onnx.NodeProto, tag: str, dtype: Any) -> list[onnx.NodeProto]:
+    """``HardSwish``/``HardSigmoid`` as comparisons, ``Where`` and arithmetic, with torch's
+    gradients at the kinks: torch's slopes hold on the open interval ``(-3, 3)`` only
+    (hardswish's is 0 at -3 and 1 at 3, hardsigmoid's 0 at both)."""
+    h = onnx.helper
+    x, out = node.input[0], node.output[0]
+    nodes: list[onnx.NodeProto] = []
+
+    def constant(name: str, value: float) -> str:
+        tensor = onnx.numpy_helper.from_array(np.array(value, dtype=dtype), f"{tag}_{name}_value")
+        nodes.append(
+            h.make_node("Constant", [], [f"{tag}_{name}"], name=f"{tag}_{name}", value=tensor)
+        )
+        return f"{tag}_{name}"
+
+    def op(kind: str, inputs: list[str], name: str, output: str = "") -> str:
+        nodes.append(h.make_node(kind, inputs, [output or f"{tag}_{name}"], name=f"{tag}_{name}"))
+        return output or f"{tag}_{name}"
+
+    zero = constant("zero", 0.0)
+    if node.op_type == "HardSwish":
+        # torch: x * min(max(x + 3, 0), 6) / 6; zero up to -3, x itself from 3.
+        low = op("LessOrEqual", [x, constant("low", -3.0)], "below")
+        high = op("GreaterOrEqual", [x, constant("high", 3.0)], "above")
+        product = op("Mul", [x, op("Add", [x, constant("three", 3.0)], "shifted")], "product")
+        middle = op("Div", [product, constant("six", 6.0)], "middle")
+        upper = op("Where", [high, x, middle], "upper")
+        op("Where", [low, zero, upper], "", out)
+        return nodes
+    attributes = {a.name: h.get_attribute_value(a) for a in node.attribute}
+    alpha, beta = float(attributes.get("alpha", 0.2)), float(attributes.get("beta", 0.5))
+    # The kinks in x, where alpha * x + beta leaves [0, 1]: -3 and 3 for torch's 1/6 and 1/2.
+    low = op("LessOrEqual", [x, constant("low", -beta / alpha)], "below")
+    high = op("GreaterOrEqual", [x, constant("high", (1.0 - beta) / alpha)], "above")
+    scaled = op("Mul", [x, constant("alpha", alpha)], "scaled")
+    middle = op("Add", [scaled, constant("beta", beta)], "middle")
+    upper = op("Where", [high, constant("one", 1.0), middle], "upper")
+    op("Where", [low, zero, upper], "", out)
+    return nodes
+
+
+def _is_hard(node: onnx.NodeProto) -> bool:
+    return is_standard(node, "HardSwish") or is_standard(node, "HardSigmoid")
+
+
+@graph_pass
+def hard_activations_differentiable(model: onnx.ModelProto) -> bool:
+    """``HardSwish`` and ``HardSigmoid`` (MobileNetV3, timm's and torchvision's hard
+    activations) written as ops ORT differentiates: ORT 1.19 has no gradient builder for
+    either, so the gradient build failed and those models ran in PyTorch. Only inputs shape
+    inference types as float32, float64 or float16 are rewritten (the constants take it)."""
+    if not any(_is_hard(n) for n in model.graph.node):
+        return False
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*inferred.value_info, *inferred.input, *inferred.output]
+    }
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for i, node in enumerate(model.graph.node):
+        dtype = _HARD_DTYPES.get(types.get(node.input[0], 0)) if node.input else None
+        if dtype is None or not _is_hard(node):
+            nodes.append(node)
+            continue
+        nodes += _hard_activation(node, node.name or f"{node.op_type}_{i}", dtype)
         changed = True
     if changed:
         del model.graph.node[:]

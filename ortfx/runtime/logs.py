@@ -214,6 +214,11 @@ def checkpoint_calls(log: WrapperLog, calls: int, level: int) -> None:
         log.log(logging.WARNING, errors.CHECKPOINT_NOT_RECOMPUTED, calls)
 
 
+def checkpoint_updates(log: WrapperLog, names: tuple[str, ...]) -> None:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    log.log(logging.WARNING, errors.CHECKPOINT_UPDATES_ONCE, shown)
+
+
 def grad_mode_traced(log: WrapperLog, enabled: bool) -> None:
     """One line: this graph serves calls in one grad mode only."""
     mode = "enabled" if enabled else "disabled (torch.no_grad)"

@@ -208,6 +208,14 @@ class ORTModule(torch.nn.Module):
         self._ortfx_update(lambda shell: engine.invalidate(shell, cause))
 
     def _ortfx_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Under torch.compile: ortfx's call runs as it is, a graph break (Dynamo would
+            # trace ortfx's bookkeeping). Dynamo is imported by then; importing it here only
+            # then keeps it (and its torch.manual_seed wrapper, its memory) out otherwise.
+            return _torch.opaque_to_dynamo(ORTModule._ortfx_call)(self, *args, **kwargs)
+        return self._ortfx_call(*args, **kwargs)
+
+    def _ortfx_call(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         base = self._ortfx
         token = _IN_WRAPPER.set(True)  # the module's own forward from here on (_on_module)

@@ -150,6 +150,8 @@ def _export(
         logs.traced_writes(log, tuple(dict.fromkeys(described)))
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
+    if exported.checkpoint_updates:
+        logs.checkpoint_updates(log, exported.checkpoint_updates)
     hooked = watch.user_forward_hooks(module)
     if hooked:
         logs.traced_hooks(log, hooked)
