@@ -6,13 +6,12 @@ import copy
 import logging
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
 import ortfx
-
-L = pytest.importorskip("lightning")
 
 
 class Regressor(L.LightningModule):  # type: ignore[misc]

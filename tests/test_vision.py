@@ -191,14 +191,12 @@ def test_mobilenet_block_trains_in_ort() -> None:
 
 
 def _timm(name: str) -> nn.Module:
-    pytest.importorskip("timm")  # a test extra
     timm = vision_libraries.import_timm()
     model: nn.Module = timm.create_model(name, pretrained=False, num_classes=3)
     return model
 
 
 def _torchvision(name: str) -> nn.Module:
-    pytest.importorskip("torchvision")  # a test extra
     torchvision = vision_libraries.import_torchvision()
     # No dropout: eager's and ORT's random streams differ.
     model: nn.Module = getattr(torchvision.models, name)(num_classes=3, dropout=0.0)
