@@ -4,7 +4,6 @@ weights beside it when large), checked by ONNX's checker, moved into place once 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Final
 
 import onnx
@@ -12,6 +11,7 @@ import onnx
 from ortfx.deploy import names, tracing
 from ortfx.deploy.tracing import FUNCTION_FIX, first_line
 from ortfx.errors import OrtfxExportError, OrtfxUnsupportedOpError
+from ortfx.passes.core import all_nodes
 from ortfx.schema import ModelSchema
 
 # Domains a deployable graph may use: ONNX's and ORT's contrib operators.
@@ -37,22 +37,11 @@ INVALID = (
 )
 
 
-def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """Every node of ``graph`` and of its subgraphs (If and Loop bodies)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attribute.g)
-            for sub in attribute.graphs:
-                yield from _nodes(sub)
-
-
 def _check_domains(model: onnx.ModelProto, module: str) -> None:
     """Refuse a node outside ONNX and ORT's contrib domains, and ortfx's training-only ones."""
     refused = [
         n
-        for n in _nodes(model.graph)
+        for n in all_nodes(model.graph)
         if n.domain not in STANDARD_DOMAINS or n.op_type in TRAINING_ONLY_OPS
     ]
     if not refused:

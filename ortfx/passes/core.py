@@ -7,7 +7,7 @@ lifts an in-place edit of a private ModelProto copy into one, and :func:`chain` 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import onnx
@@ -84,6 +84,17 @@ def is_standard(node: onnx.NodeProto, op_type: str) -> bool:
 
 # Nodes whose outputs carry only the shape of their inputs, not their values.
 _SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of its subgraphs (If branches, Loop bodies), depth first."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from all_nodes(attribute.g)
+            for sub in attribute.graphs:
+                yield from all_nodes(sub)
 
 
 def subgraph_names(node: onnx.NodeProto) -> set[str]:

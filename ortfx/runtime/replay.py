@@ -14,11 +14,12 @@ training runner is built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import onnx
 
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
+from ortfx.passes.core import all_nodes
 
 # ONNX's random operators (see ortfx.passes.dropout, which seeds them).
 _RANDOM = frozenset(
@@ -42,24 +43,13 @@ RETAINED_GRAPH_REFUSED = (
 )
 
 
-def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """Every node of ``graph`` and of its subgraphs (If and Loop bodies)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attribute.g)
-            for sub in attribute.graphs:
-                yield from _nodes(sub)
-
-
 def _read_names(node: onnx.NodeProto) -> set[str]:
     """What ``node`` reads, its subgraphs' outer names included."""
     names = set(node.input)
     for attribute in node.attribute:
         subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else []
         for sub in [*subgraphs, *attribute.graphs]:
-            for inner in _nodes(sub):
+            for inner in all_nodes(sub):
                 names.update(inner.input)
     return names
 
@@ -118,7 +108,7 @@ def refusal(info: PostExportProcessedModelInfo, *, python_ops: bool) -> str | No
         return RETAINED_GRAPH_REFUSED.format(why=why)
     graph = onnx.load_model_from_string(info.model).graph
     zeros = _zero_constants(graph)
-    random = sorted({n.op_type for n in _nodes(graph) if _draws(n, zeros)})
+    random = sorted({n.op_type for n in all_nodes(graph) if _draws(n, zeros)})
     if random:
         why = f"it draws random numbers ({', '.join(random)}), which would differ"
         return RETAINED_GRAPH_REFUSED.format(why=why)
