@@ -312,8 +312,32 @@ def per_step_ratio(r: dict[str, Any], e: dict[str, Any], warmup: int, key: str) 
     return common.median([a / b for a, b in pairs])
 
 
-def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
-    """One row per (model, backend): statistics over rounds, ratios against same-round eager."""
+def roofline(model: str, ns: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """``bench.roofline`` for ``model`` in a worker of its own, at the run's thread count."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, "-m", "bench.roofline", "--model", model,
+           "--threads", str(ns.threads), "--out", out]  # fmt: skip
+    try:
+        with log.open("a") as logf:
+            logf.write(f"\n==== {model} roofline ====\n")
+            logf.flush()
+            subprocess.run(
+                cmd, env=common.thread_env(ns.threads), cwd=common.ROOT, stdout=logf,
+                stderr=logf, timeout=ns.timeout, check=True,
+            )  # fmt: skip
+        return {**json.loads(Path(out).read_text()), "ok": True}
+    except (subprocess.SubprocessError, OSError, json.JSONDecodeError) as e:
+        return {"model": model, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        Path(out).unlink(missing_ok=True)
+
+
+def summarise(
+    records: list[dict[str, Any]], warmup: int, limits: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """One row per (model, backend): statistics over rounds, ratios against same-round eager
+    and, with a measured roofline, the step as a multiple of it."""
     rows = []
     models = list(dict.fromkeys(r["model"] for r in records))
     backends = list(dict.fromkeys(r["backend"] for r in records))
@@ -376,11 +400,29 @@ def summarise(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]
                 loss_diff=max(loss_diffs) if loss_diffs else float("nan"),
                 losses=ok[0]["losses"][:N_LOSSES],
             )
+            limit = (limits or {}).get(model, {})
+            if limit.get("ok"):
+                row["roofline_ms"] = 1e3 * limit["roofline_s"]
+                row["x_roofline"] = row["step_ms_median"] / row["roofline_ms"]
+                row["x_roofline_min"] = row["step_ms_min"] / row["roofline_ms"]
             rows.append(row)
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str, Any]) -> str:
+def markdown(
+    rows: list[dict[str, Any]],
+    ns: argparse.Namespace,
+    mach: dict[str, Any],
+    limits: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    from bench.roofline import summary
+
+    roof = [
+        f"Roofline of {m} (bench.roofline, this run): {summary(r)}."
+        if r.get("ok")
+        else f"Roofline of {m}: failed ({r.get('error', '?')[:200]})."
+        for m, r in (limits or {}).items()
+    ]
     lines = [
         f"# Training-step benchmark ({mach['date'][:10]})",
         "",
@@ -406,11 +448,20 @@ def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str,
         f"{' (inductor cache fresh per process)' if ns.compile_cache == 'fresh' else ''}; "
         "CPU ratio = the same with the process's CPU time per step (time spent descheduled by "
         "other load on a shared machine is not counted); "
-        "loss diff = max |loss - eager loss| over the first 5 steps.",
+        "loss diff = max |loss - eager loss| over the first 5 steps"
+        + (
+            "; x roofline = step median / the roofline (fastest of each step's products, "
+            "everything else counted as zero: see bench/roofline.py), with the fastest step's "
+            "in brackets."
+            if roof
+            else "."
+        ),
         "",
+        *[line for r in roof for line in (r, "")],
         "| model | backend | step ms median | min | max | ratio to eager | CPU ratio "
-        "| first step s | peak RSS MB (children) | loss diff |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|",
+        + ("| x roofline " if roof else "")
+        + "| first step s | peak RSS MB (children) | loss diff |",
+        "|---|---|---:|---:|---:|---|---|" + ("---|" if roof else "") + "---:|---:|---:|",
     ]
     for r in rows:
         if not r.get("ok"):
@@ -423,7 +474,13 @@ def markdown(rows: list[dict[str, Any]], ns: argparse.Namespace, mach: dict[str,
             f"| {r['model']} | {r['backend']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} "
             f"| {r['step_ms_max']:.1f} | {r['ratio_median']:.3f} ({r['ratio_min']:.2f}-"
             f"{r['ratio_max']:.2f}) | {r['cpu_ratio_median']:.3f} ({r['cpu_ratio_min']:.2f}-"
-            f"{r['cpu_ratio_max']:.2f}) | {r['first_step_s']:.2f} "
+            f"{r['cpu_ratio_max']:.2f}) | "
+            + (
+                f"{r['x_roofline']:.2f} ({r['x_roofline_min']:.2f}) | "
+                if "x_roofline" in r
+                else ("n/a | " if roof else "")
+            )
+            + f"{r['first_step_s']:.2f} "
             f"| {r['peak_rss_mb']:.0f}{children} | {r['loss_diff']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -499,7 +556,16 @@ def parent(ns: argparse.Namespace) -> None:
     jsonl = stem.with_suffix(".jsonl")
     with jsonl.open("w") as f:
         f.write(json.dumps({"machine": mach, "argv": ns.argv}) + "\n")
+    limits: dict[str, dict[str, Any]] = {}
     for model in models:
+        if ns.roofline:
+            limits[model] = roofline(model, ns, log)
+            with jsonl.open("a") as f:
+                f.write(json.dumps({"roofline": limits[model]}) + "\n")
+            if limits[model].get("ok"):
+                from bench.roofline import summary
+
+                print(f"{model:18s} roofline: {summary(limits[model])}", flush=True)
         for rnd in range(ns.rounds):
             k = rnd % len(backends)
             order = backends[k:] + backends[:k]
@@ -528,8 +594,8 @@ def parent(ns: argparse.Namespace) -> None:
                         f"{model:18s} round {rnd} {backend:8s} FAILED: {r['error'][:300]}",
                         flush=True,
                     )
-    rows = summarise(records, ns.warmup)
-    table = markdown(rows, ns, mach)
+    rows = summarise(records, ns.warmup, limits)
+    table = markdown(rows, ns, mach, limits)
     stem.with_suffix(".md").write_text(table)
     if plot(rows, stem.with_suffix(".png"), common.describe(mach)[:160]):
         print(f"plot: {stem.with_suffix('.png')}")
@@ -584,6 +650,11 @@ def main(argv: list[str] | None = None) -> None:
         "--paired",
         action="store_true",
         help="one process per round with every backend, steps interleaved (see above)",
+    )
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="measure each model's roofline first (bench.roofline) and report steps against it",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per worker, seconds")

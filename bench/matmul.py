@@ -43,12 +43,13 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
-def _session(trans_a: int, trans_b: int, threads: int) -> ort.InferenceSession:
+def one_node_session(op: str, threads: int, **attributes: int) -> ort.InferenceSession:
+    """A CPU session of one ``op`` node from inputs ``a``, ``b`` to ``c`` (spinning off)."""
     h, f32 = onnx.helper, onnx.TensorProto.FLOAT
-    node = h.make_node("Gemm", ["a", "b"], ["c"], transA=trans_a, transB=trans_b)
+    node = h.make_node(op, ["a", "b"], ["c"], **attributes)
     graph = h.make_graph(
         [node],
-        "gemm",
+        op.lower(),
         [h.make_tensor_value_info("a", f32, None), h.make_tensor_value_info("b", f32, None)],
         [h.make_tensor_value_info("c", f32, None)],
     )
@@ -75,7 +76,7 @@ def measure(rounds: int, calls: int, threads: int) -> list[tuple[str, float, flo
     for name, (m, k, n, trans_a, trans_b) in SHAPES.items():
         a = torch.randn(k, m) if trans_a else torch.randn(m, k)
         b = torch.randn(n, k) if trans_b else torch.randn(k, n)
-        session = _session(trans_a, trans_b, threads)
+        session = one_node_session("Gemm", threads, transA=trans_a, transB=trans_b)
         binding = session.io_binding()
         binding.bind_cpu_input("a", a.numpy())
         binding.bind_cpu_input("b", b.numpy())

@@ -13,6 +13,7 @@ whole training step graph, loss included, runs in the backend under test.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -253,7 +254,13 @@ MODELS: dict[str, Callable[..., Built]] = {
 }
 """The models of ``--models all``, in run order."""
 
-EXTRA: dict[str, Callable[..., Built]] = {"tiny-linear": tiny_linear}
+EXTRA: dict[str, Callable[..., Built]] = {
+    "tiny-linear": tiny_linear,
+    # The sizes people train (issue 31): GPT-2 small and medium, vocabulary 50257.
+    "gpt2-124m": functools.partial(gpt2, n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=2),
+    "gpt2-350m": functools.partial(gpt2, n_layer=24, n_embd=1024, n_head=16, vocab=50257, batch=1),
+}
+"""Models run only when named: the overhead model and the large GPT-2 sizes."""
 
 
 def build(name: str, seed: int = 0) -> Built:

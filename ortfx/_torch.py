@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -329,6 +330,46 @@ def symbolic_helper(name: str) -> Callable[..., Any]:
 
 # The code object of torch.autograd.Function.apply: a profile hook recognises its frames.
 FUNCTION_APPLY_CODE: types.CodeType = torch.autograd.Function.__dict__["apply"].__func__.__code__
+
+
+# ---- the TorchScript exporter's whole-graph shape inference ---------------------------------
+
+_GRAPH_SHAPE_INFERENCE = "_jit_pass_onnx_graph_shape_type_inference"
+# Parameters larger than this (elements) reach torch's whole-graph shape inference as typed
+# inputs instead of values. Given a value, torch clones the node consuming it into a one-node
+# ONNX model holding the value as a Constant and serialises it: two transient copies of every
+# weight, which made the first step peak a whole embedding table above eager (issue 31). Shapes
+# never depend on a weight's values; a shape-like parameter is small and keeps its value.
+SHAPE_VALUE_LIMIT = 1 << 16
+
+
+@contextlib.contextmanager
+def shape_inference_without_weights() -> Iterator[None]:
+    """For this thread's exports in the block, torch's whole-graph ONNX shape inference sees
+    parameters over :data:`SHAPE_VALUE_LIMIT` elements by type and shape only. Other threads'
+    calls pass through unchanged; the function is put back on exit (unless someone else
+    replaced it meanwhile: theirs stays, and ours forwards to torch's)."""
+    original = getattr(torch._C, _GRAPH_SHAPE_INFERENCE, None)
+    if original is None:  # a torch without the TorchScript exporter's pass: nothing to scope
+        yield
+        return
+    owner = threading.get_ident()
+
+    def inference(graph: Any, params: dict[str, Any], opset: int) -> Any:
+        if threading.get_ident() == owner:
+            params = {
+                name: value
+                for name, value in params.items()
+                if not isinstance(value, torch.Tensor) or value.numel() <= SHAPE_VALUE_LIMIT
+            }
+        return original(graph, params, opset)
+
+    setattr(torch._C, _GRAPH_SHAPE_INFERENCE, inference)
+    try:
+        yield
+    finally:
+        if getattr(torch._C, _GRAPH_SHAPE_INFERENCE, None) is inference:
+            setattr(torch._C, _GRAPH_SHAPE_INFERENCE, original)
 
 
 # ---- the TorchScript exporter's symbolic registry -------------------------------------------

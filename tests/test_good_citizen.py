@@ -6,6 +6,7 @@ reshape (checked against that commit)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import pstats
@@ -391,3 +392,62 @@ def test_a_warning_the_forward_raises_while_exported_meets_the_filters_as_in_eag
     got = _raises_under(lambda: ortfx.ORTModule(ImplicitSoftmax(), options=STRICT), module)
     assert got == eager
     assert (eager is not None) == (module == __name__)
+
+
+def test_torchs_shape_inference_pass_is_scoped_to_ortfxs_own_export() -> None:
+    """ortfx gives torch's whole-graph ONNX shape inference no large weight values during its
+    own export (memory, issue 31): another thread calling the pass meanwhile gets exactly what
+    it passes, the pass is what it was again afterwards, and a replacement someone installs
+    meanwhile stays."""
+    name = "_jit_pass_onnx_graph_shape_type_inference"
+    original = getattr(torch._C, name)
+    received: list[dict[str, tuple[int, ...]]] = []
+
+    def stand_in(graph: Any, params: dict[str, Any], opset: int) -> Any:
+        received.append({k: tuple(v.shape) for k, v in params.items()})
+        return original(graph, params, opset)
+
+    class Looks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(300, 300)  # a 90,000-element weight: over the limit
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not received:  # while traced, another thread runs the pass on its own graph
+
+                def call() -> None:
+                    with contextlib.suppress(RuntimeError):
+                        getattr(torch._C, name)(torch._C.Graph(), {"w": torch.zeros(300, 300)}, 17)
+
+                spy = threading.Thread(target=call)
+                spy.start()
+                spy.join()
+            return self.lin(x)
+
+    setattr(torch._C, name, stand_in)
+    try:
+        ortfx.ORTModule(Looks(), options=STRICT)(torch.randn(2, 300)).sum().backward()
+        assert getattr(torch._C, name) is stand_in
+        assert received[0] == {"w": (300, 300)}  # the other thread's call, whole
+        # ortfx's own export, twice (torch runs the pass twice): the small bias only.
+        assert received[1:] == [{"module.lin.bias": (300,)}] * 2, received
+    finally:
+        setattr(torch._C, name, original)
+
+    def users(graph: Any, params: dict[str, Any], opset: int) -> Any:
+        return original(graph, params, opset)
+
+    class Replaces(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            setattr(torch._C, name, users)
+            return self.lin(x)
+
+    try:
+        ortfx.ORTModule(Replaces(), options=STRICT)(torch.randn(2, 3))
+        assert getattr(torch._C, name) is users
+    finally:
+        setattr(torch._C, name, original)

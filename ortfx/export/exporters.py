@@ -83,7 +83,7 @@ def torchscript(
         name: {d: f"{name}_dim{d}" for d in range(t.dim())}
         for name, t in zip(input_names, tensors, strict=True)
     }
-    with quiet(), _torch.symbolics_registered(table):
+    with quiet(), _torch.symbolics_registered(table), _torch.shape_inference_without_weights():
         _export(flat, tensors, buffer, opset, input_names, dynamic_axes)
     return onnx.load_model_from_string(buffer.getvalue())
 
