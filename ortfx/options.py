@@ -204,7 +204,7 @@ class Options:
     # gradient to torch (AccumulateGrad, hooks, DDP) the moment ORT computes it, instead of
     # all gradients at the end of ORT's backward. See docs/memory.md.
     enable_mem_efficient_grad_management: bool = False
-    # DeepSpeed ZeRO-3 phase 2 (set by configure_ort_compatible_zero_stage3(layerwise=True),
+    # DeepSpeed ZeRO-3 phase 2 (set by configure_ort_compatible_zero_stage3(), layerwise by default,
     # with enable_mem_efficient_grad_management): each parameter feed waits for its layer's
     # input, and backward nodes read a re-gathered copy. See docs/zero3.md.
     zero3_layerwise: bool = False

@@ -261,12 +261,13 @@ def test_layerwise_eval_before_training_exports_with_the_weights_gathered(
 ) -> None:
     """An eval-mode no_grad call first (its own export), then a training step: the training
     export gathers the partitioned weights for its trace; both losses equal eager DeepSpeed's
-    first (the model has no dropout)."""
+    first (the model has no dropout). Configured with the defaults: layer-wise (issue 31)."""
     for r in ranks:
         run = r["layerwise"]["ortfx"]["eval_first"]
         want = r["layerwise"]["eager"]["losses"][0]
         assert np.abs(np.array(run["losses"]) - want).max() <= TOLERANCE
         assert run["partitioned"] and run["exports"] == 2
+        assert run["default_layerwise"] is True
 
 
 def test_layerwise_every_gather_has_its_release(ranks: list[dict[str, Any]]) -> None:

@@ -243,7 +243,9 @@ def main(out: str) -> None:
     results["eager"] = eager
 
     with tempfile.TemporaryDirectory() as tmp:
-        zero3.configure_ort_compatible_zero_stage3(debug=True, stats_output_dir=tmp)
+        zero3.configure_ort_compatible_zero_stage3(
+            debug=True, stats_output_dir=tmp, layerwise=False
+        )
         options = ortfx.Options(save_onnx=True, onnx_prefix="z3", save_path=tmp)
         run = train(
             ortfx.ORTModule(make_net(), options=options), rank, world, check=protocol_checks
@@ -275,7 +277,7 @@ def main(out: str) -> None:
     results["layerwise"] = layerwise(rank, world)
 
     # Negative controls: broken protocols the checks above must catch.
-    zero3.configure_ort_compatible_zero_stage3()
+    zero3.configure_ort_compatible_zero_stage3(layerwise=False)
 
     def assign_grads(engine: Any, loss: torch.Tensor) -> None:
         params = list(engine.module.parameters())
@@ -346,7 +348,7 @@ def layerwise(rank: int, world: int) -> dict[str, Any]:
         with open(os.path.join(tmp, f"zero3_rank{rank}.jsonl")) as f:
             run["events"] = [json.loads(line) for line in f]
     del engine
-    zero3.configure_ort_compatible_zero_stage3(layerwise=True)
+    zero3.configure_ort_compatible_zero_stage3()  # the default: layer-wise
     # An eval-mode forward first exports the eval graph; the training export that follows
     # happens with partitioned weights and must gather them for its trace.
     engine, *_ = deepspeed.initialize(
@@ -364,8 +366,9 @@ def layerwise(rank: int, world: int) -> dict[str, Any]:
         "losses": [first, loss.item()],
         "partitioned": all_partitioned(engine),
         "exports": ortfx.stats(engine.module).exports,
+        "default_layerwise": ortfx.options_of(engine.module).zero3_layerwise,
     }
-    zero3.configure_ort_compatible_zero_stage3()
+    zero3.configure_ort_compatible_zero_stage3(layerwise=False)
     return {"plain": reference, "eager": eager, "ortfx": run}
 
 

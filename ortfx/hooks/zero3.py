@@ -108,7 +108,7 @@ def configure_ort_compatible_zero_stage3(
     debug: bool = False,
     stats_output_dir: str | None = None,
     stats_overwrite: bool = False,
-    layerwise: bool = False,
+    layerwise: bool = True,
 ) -> None:
     """Make DeepSpeed ZeRO stage 3 hook an ``ortfx.ORTModule`` as one unit. Call it before
     ``deepspeed.initialize(model=ortfx.ORTModule(model), config=...)``.
@@ -119,10 +119,12 @@ def configure_ort_compatible_zero_stage3(
     file instead of raising. Calling it again replaces the settings (for wrappers initialized
     after it); other modules keep DeepSpeed's own hooks.
 
-    ``layerwise`` (phase 2) gathers each parameter inside the ORT graph right before the layer
-    that reads it and again in the backward, instead of the whole model around each step; it
-    turns on ``Options(enable_mem_efficient_grad_management=True, zero3_layerwise=True)`` for
-    the wrapper. See docs/zero3.md.
+    ``layerwise`` (phase 2, the default) gathers each parameter inside the ORT graph right
+    before the layer that reads it and again in the backward, holding what eager DeepSpeed
+    holds; it turns on ``Options(enable_mem_efficient_grad_management=True,
+    zero3_layerwise=True)`` for the wrapper. ``layerwise=False`` (phase 1) gathers the whole
+    model around each step: faster (no gathers inside the graph) but it holds every parameter
+    at once. See docs/zero3.md.
     """
     global _settings
     try:
