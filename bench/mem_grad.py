@@ -64,7 +64,10 @@ CONFIGS: dict[str, tuple[str, bool, bool]] = {
     "ortfx+oib": ("ortfx", False, True),
     "ortfx+mem": ("ortfx", True, False),
     "ortfx+mem+oib": ("ortfx", True, True),
+    # The memory moonshot (issue 31): the above with layer-wise recompute (memory_opt_level 1).
+    "ortfx+rc1+mem+oib": ("ortfx", True, True),
 }
+RECOMPUTE = {"ortfx+rc1+mem+oib": 1}
 
 # name -> (bench.models builder, its kwargs, warm-up steps, measured steps)
 MODELS: dict[str, tuple[str, dict[str, Any], int, int]] = {
@@ -85,6 +88,17 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int]] = {
     ),
     # A wide MLP: 38 M parameters, 144 MB of gradients, small activations.
     "mlp-4096x3-b64": ("mlp", {"batch": 64, "sizes": (1024, 4096, 4096, 4096, 10)}, 2, 6),
+}
+# Run only when named (``--models``): the memory moonshot's models (issue 31), the benchmark
+# GPT-2-like model at bench.compare's batch and GPT-2 small.
+SCALE: dict[str, tuple[str, dict[str, Any], int, int]] = {
+    "gpt2-4x256-b8-s128": ("gpt2", {"batch": 8, "seq": 128}, 2, 4),
+    "gpt2-124m-b2-s128": (
+        "gpt2",
+        {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "batch": 2, "seq": 128},
+        2,
+        3,
+    ),
 }
 QUICK_MODEL = ("mlp", {"batch": 8, "sizes": (32, 64, 64, 10)}, 1, 2)
 
@@ -134,7 +148,9 @@ class GradBytes:
 def build(model_name: str, seed: int) -> tuple[Any, Any, Any, int, int]:
     from bench import models
 
-    builder, kw, warmup, steps = QUICK_MODEL if model_name == "quick" else MODELS[model_name]
+    builder, kw, warmup, steps = (
+        QUICK_MODEL if model_name == "quick" else {**MODELS, **SCALE}[model_name]
+    )
     model, make_batch, loss_fn = getattr(models, builder)(seed, **kw)
     return model, make_batch, loss_fn, warmup, steps
 
@@ -154,7 +170,10 @@ def trainer(model_name: str, config: str, seed: int) -> tuple[Any, list[Any], An
         wrapped = ortfx.ORTModule(
             model,
             options=ortfx.Options(
-                enable_mem_efficient_grad_management=mem, intra_op_threads=1, cpu_mem_arena=False
+                enable_mem_efficient_grad_management=mem,
+                intra_op_threads=1,
+                cpu_mem_arena=False,
+                memory_opt_level=RECOMPUTE.get(config, 0),
             ),
         )
     optimizer = None if oib else torch.optim.AdamW(params, lr=LR, foreach=False)
@@ -373,10 +392,24 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets for ortfx+mem+oib."""
+    """The issue's targets for ortfx+mem+oib (issue 14) and the memory moonshot (issue 31)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         get = {r["config"]: r for r in rows if r["model"] == model and r.get("ok")}
+        moon, eager = get.get("ortfx+rc1+mem+oib"), get.get("eager")
+        if moon is not None and eager is not None and eager["growth_mb"] < 1:
+            out.append(f"- {model}: memory moonshot: eager's step grows < 1 MB, not measurable")
+        elif moon is not None and eager is not None:
+            ratio = moon["growth_mb"] / eager["growth_mb"]
+            out.append(
+                f"- {model}: memory moonshot (recompute 1 + memory-efficient gradients + "
+                f"optimizer in backward): peak step growth {moon['growth_mb']:.0f} MB vs eager's "
+                f"{eager['growth_mb']:.0f} MB = **{ratio:.2f}x** (target <= 0.5) -> "
+                f"**{'MET' if ratio <= 0.5 else 'NOT MET'}**; footprint "
+                f"{moon['footprint_mb']:.0f} vs {eager['footprint_mb']:.0f} MB; step "
+                f"{moon['step_s_min']:.3f} s vs {eager['step_s_min']:.3f} s = "
+                f"{moon['step_s_min'] / eager['step_s_min']:.2f}x eager"
+            )
         best, base, eager_oib = get.get("ortfx+mem+oib"), get.get("ortfx"), get.get("eager+oib")
         if best is None or base is None or eager_oib is None:
             out.append(f"- {model}: not measured (ortfx+mem+oib, ortfx or eager+oib failed)")
@@ -528,8 +561,9 @@ def parent(ns: argparse.Namespace) -> Path:
         models = list(MODELS) if ns.models == "all" else ns.models.split(",")
     configs = list(CONFIGS) if ns.configs == "all" else ns.configs.split(",")
     for m in models:
-        if m not in MODELS and m != "quick":
-            raise SystemExit(f"unknown model {m!r}; choose from all, {', '.join(MODELS)}")
+        if m not in MODELS and m not in SCALE and m != "quick":
+            known = ", ".join([*MODELS, *SCALE])
+            raise SystemExit(f"unknown model {m!r}; choose from all, {known}")
     for c in configs:
         if c not in CONFIGS:
             raise SystemExit(f"unknown config {c!r}; choose from all, {', '.join(CONFIGS)}")
