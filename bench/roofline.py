@@ -10,7 +10,10 @@ this host runs, measured in the same run as the step times.
 3. Each distinct shape is timed on this host at the given thread count, in torch (``torch.mm`` /
    ``torch.bmm``: MKL or oneDNN) and in ONNX Runtime (one ``MatMul`` node: MLAS, I/O binding,
    spinning off), the two alternating; minimum over rounds of the mean of ``--calls`` calls.
-4. The roofline is the sum over shapes of count x the faster of the two: the time this host needs
+4. The AdamW step alone on the model's parameters (torch, as bench.compare runs it for every
+   backend), reported beside the roofline, not in it: at 100M+ parameters it is a large,
+   memory-bound share of the step that no backend of the forward and backward changes.
+5. The roofline is the sum over shapes of count x the faster of the two: the time this host needs
    for the step's products alone. Everything else (softmax, LayerNorm, GELU, the loss, the
    optimizer, copies) counts as zero, so no backend reaches it; a step at 1.2x the roofline
    spends 20 % of the products' time on everything else. The all-MLAS and all-torch sums are
@@ -65,6 +68,28 @@ def step_products(model_name: str, seed: int = 0) -> tuple[float, Counter[Shape]
         _shape(e.name, e.input_shapes) for e in prof.events() if e.name in PRODUCTS
     )
     return float(counter.get_total_flops()), shapes
+
+
+def optimizer_seconds(model_name: str, seed: int = 0, rounds: int = 3) -> float:
+    """One AdamW step over the model's parameters (torch's default implementation, as
+    bench.compare steps it for every backend): the minimum over ``rounds`` after the step that
+    creates its state. Memory-bound, and the same code whatever runs the forward and backward."""
+    import torch
+
+    from bench.models import build
+
+    model, _, _ = build(model_name, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer.step()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _ort_matmul(shape: Shape, threads: int) -> Callable[[], object]:
@@ -126,6 +151,7 @@ def measure(model_name: str, threads: int, rounds: int = 5, calls: int = 3) -> d
         "roofline_s": best,
         "ort_products_s": sum(r["count"] * r["ort_s"] for r in rows),
         "torch_products_s": sum(r["count"] * r["torch_s"] for r in rows),
+        "optimizer_s": optimizer_seconds(model_name),
         "products": rows,
     }
 
@@ -144,6 +170,12 @@ def summary(r: dict[str, Any]) -> str:
         f"({r['product_flops'] / r['roofline_s'] / 1e9:.0f} GFLOP/s), "
         f"all in MLAS {r['ort_products_s'] * 1e3:.0f} ms, all in torch "
         f"{r['torch_products_s'] * 1e3:.0f} ms, {r['threads']} thread(s)"
+        + (
+            f"; AdamW step alone (torch, the same code for every backend) "
+            f"{r['optimizer_s'] * 1e3:.0f} ms"
+            if "optimizer_s" in r
+            else ""
+        )
     )
 
 
