@@ -90,11 +90,13 @@ def torchscript(
 
 # The exporters' own warnings, by the module they are attributed to: deprecations inside
 # torch.onnx and torch.export and their helpers (torch.fx, pytree notices through copyreg),
-# onnxscript's, and torch.onnx.export's about its caller (ortfx's exporter module).
+# onnxscript's, torch.onnx.export's about its caller (ortfx's exporter module), and what torch's
+# C++ passes raise when ortfx calls them through ortfx._torch (the scoped shape inference: a
+# C++ warning is attributed to the Python frame that called the pass).
 _EXPORTER_MODULES = re.compile(
     r"(torch\.(onnx|export|_export|jit|fx|_subclasses|_functorch|_dynamo|_higher_order_ops"
     r"|_library|_guards|_ops|utils\._pytree)|onnxscript|onnx_ir|onnx\b|copyreg"
-    r"|ortfx\.export\.(exporters|trace))"
+    r"|ortfx\.export\.(exporters|trace)|ortfx\._torch)"
 )
 _QUIET = threading.local()  # .depth: exports running on this thread
 
