@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import ortfx
+from ortfx.export import trace
 from ortfx.runtime.fallback import fall_back
 from ortfx.runtime.records import Shell
 from tests.models import max_diff
@@ -174,3 +175,20 @@ def test_graph_build_failures_that_name_no_operator_fall_back_under_the_default_
             fall_back(Shell.create(ortfx.Options()), ortfx.OrtfxInitError("no ORT"), key="k")
     finally:
         logging.getLogger("ortfx").disabled = False
+
+
+def test_an_export_failing_under_autocast_says_autocast_was_on() -> None:
+    """BatchNorm under bf16 autocast fails in torch's exporter ("mixed dtype (CPU)"), a message
+    that names neither autocast nor bf16: ortfx's error says the call ran under autocast and
+    what to do; the same failure without autocast does not say it."""
+    options = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
+    torch.manual_seed(0)
+    with (
+        pytest.raises(ortfx.OrtfxExportError, match="mixed dtype") as info,
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        ortfx.ORTModule(Stateful("batch"), options=options)(torch.randn(6, 4))
+    assert str(info.value).endswith(trace.AUTOCAST_ACTIVE)
+    with pytest.raises(ortfx.OrtfxExportError, match="cummax") as plain:
+        ortfx.ORTModule(Stateful("batch", fails=True), options=options)(torch.randn(6, 4))
+    assert "autocast" not in str(plain.value)

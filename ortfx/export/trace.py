@@ -56,6 +56,12 @@ EXPORT_FAILED = (
     "{error_type}: {error}. If the model uses an operation this exporter cannot express, try the "
     "other exporter (Options(exporter={other!r})), or let ortfx fall back to PyTorch."
 )
+AUTOCAST_ACTIVE = (
+    " The call ran under autocast (e.g. bf16 or fp16 mixed precision, Lightning's "
+    "precision='bf16-mixed'): the exporter traces the casts it inserts, and ONNX Runtime's CPU "
+    "training kernels lack most low-precision ops; train in float32 through ortfx, or keep the "
+    "fallback to PyTorch for autocast (docs/lightning.md)."
+)
 FUNCTIONS_UNSEEN = (
     "the dynamo exporter inlines custom autograd Functions (their backward would be lost), and "
     "ortfx sees them through a profile hook, which cannot run beside the C-level profiler "
@@ -388,6 +394,7 @@ def export(
                 error=str(e).strip().splitlines()[0] if str(e).strip() else "",
                 other=other,
             )
+            + (AUTOCAST_ACTIVE if _torch.any_autocast() else "")
         ) from e
     if flat.output_schema is None:
         raise OrtfxExportError(f"the {options.exporter} exporter never ran the module's forward")
