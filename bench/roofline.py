@@ -70,7 +70,9 @@ def step_products(model_name: str, seed: int = 0) -> tuple[float, Counter[Shape]
     return float(counter.get_total_flops()), shapes
 
 
-def optimizer_seconds(model_name: str, seed: int = 0, rounds: int = 3) -> float:
+def optimizer_seconds(
+    model_name: str, seed: int = 0, rounds: int = 3, *, fused: bool = False
+) -> float:
     """One AdamW step over the model's parameters (torch's default implementation, as
     bench.compare steps it for every backend): the minimum over ``rounds`` after the step that
     creates its state. Memory-bound, and the same code whatever runs the forward and backward."""
@@ -82,7 +84,7 @@ def optimizer_seconds(model_name: str, seed: int = 0, rounds: int = 3) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=fused or None)
     optimizer.step()
     times = []
     for _ in range(rounds):
@@ -152,6 +154,7 @@ def measure(model_name: str, threads: int, rounds: int = 5, calls: int = 3) -> d
         "ort_products_s": sum(r["count"] * r["ort_s"] for r in rows),
         "torch_products_s": sum(r["count"] * r["torch_s"] for r in rows),
         "optimizer_s": optimizer_seconds(model_name),
+        "fused_optimizer_s": optimizer_seconds(model_name, fused=True),
         "products": rows,
     }
 
@@ -173,6 +176,11 @@ def summary(r: dict[str, Any]) -> str:
         + (
             f"; AdamW step alone (torch, the same code for every backend) "
             f"{r['optimizer_s'] * 1e3:.0f} ms"
+            + (
+                f" (fused=True: {r['fused_optimizer_s'] * 1e3:.0f} ms)"
+                if "fused_optimizer_s" in r
+                else ""
+            )
             if "optimizer_s" in r
             else ""
         )

@@ -103,6 +103,11 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
     "no-empty-reductions": (
         "gradient pass off: reductions.drop_empty_broadcast_reductions (2026-11-24)", None, {},
     ),
+    "weights-transposed": (
+        "export pass off: speed.weights_untransposed (MatMul of a transposed weight, 2026-11-27)",
+        None,
+        {},
+    ),
     "keep-torch-threads": (
         "Options(release_torch_threads=False): torch's OpenMP workers spin during ORT runs",
         None,
@@ -110,11 +115,14 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
     ),
 }  # fmt: skip
 
+UNCHANGED = object()  # a pass over the model record: "did nothing" returns its input
+
 # Variants that turn ortfx gradient-model passes off: (module, function, what "did nothing"
 # returns), patched for the sessions built while the variant is active.
 PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "no-empty-reductions": [("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0)],
     "relu-grad-ort": [("ortfx.passes", "relu_grad_in_torch", False)],
+    "weights-transposed": [("ortfx.passes.speed", "weights_untransposed", UNCHANGED)],
 }
 
 
@@ -126,7 +134,9 @@ def _passes_off(variant: str, when: Callable[[], bool]) -> None:
         original = getattr(module, name)
 
         def off(*args: Any, _original: Any = original, _nothing: Any = nothing) -> Any:
-            return _nothing if when() else _original(*args)
+            if not when():
+                return _original(*args)
+            return args[0] if _nothing is UNCHANGED else _nothing
 
         setattr(module, name, off)
 

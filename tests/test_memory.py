@@ -93,24 +93,24 @@ def test_level_0_config_turns_on_exactly_the_named_plan_in_both_forms(tmp_path: 
     probe = ortfx.ORTModule(copy.deepcopy(model))
     loss(probe(*args)).backward()
     discovered = [p.config for p in ortfx.memory_report(probe)]
-    assert "Gelu+:1:-1" in discovered
+    assert "Gelu+Reshape+:1:-1" in discovered
     path = tmp_path / "plans.json"
-    path.write_text(json.dumps(["Gelu+:1:-1"]))
-    for config in ("Gelu+:1:-1", str(path)):
+    path.write_text(json.dumps(["Gelu+Reshape+:1:-1"]))
+    for config in ("Gelu+Reshape+:1:-1", str(path)):
         wrapped = ortfx.ORTModule(
             copy.deepcopy(model), options=ortfx.Options(memory_opt_config=config)
         )
         loss(wrapped(*args)).backward()
         status = {p.config: p.enabled for p in ortfx.memory_report(wrapped)}
-        assert status["Gelu+:1:-1"] is True
-        assert [c for c, on in status.items() if on] == ["Gelu+:1:-1"]
+        assert status["Gelu+Reshape+:1:-1"] is True
+        assert [c for c, on in status.items() if on] == ["Gelu+Reshape+:1:-1"]
 
 
 def test_report_rows_estimate_bytes_from_input_sizes() -> None:
     torch.manual_seed(0)
     wrapped = ortfx.ORTModule(models.GPTBlock(), options=ortfx.Options(memory_opt_level=1))
     wrapped(torch.randn(2, 12, 32)).sum().backward()
-    gelu = next(p for p in ortfx.memory_report(wrapped) if p.config == "Gelu+:1:-1")
+    gelu = next(p for p in ortfx.memory_report(wrapped) if p.config == "Gelu+Reshape+:1:-1")
     # One GELU over (batch 2, seq 12, hidden 128) float32 activations.
     assert (gelu.frequency, gelu.saving_bytes) == (1, 2 * 12 * 128 * 4)
 

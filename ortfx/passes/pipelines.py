@@ -43,6 +43,7 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         workarounds.where_gradients_reduce,
         workarounds.conv1d_grouped_as_2d,
         speed.tanh_as_sigmoid,
+        speed.weights_untransposed,
         interface.add_layernorm_stats,
         speed.split_cross_entropy,
         interface.add_cross_entropy_log_prob,
