@@ -22,8 +22,7 @@ from ortfx.hooks import inspect_activation
 from ortfx.keys import Reason, Transition
 from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, FallbackPolicy, LogLevel, Options
-from ortfx.runtime.module import (
-    ORTModule,
+from ortfx.runtime.api import (
     configure,
     explain,
     invalidate,
@@ -31,6 +30,7 @@ from ortfx.runtime.module import (
     options_of,
     stats,
 )
+from ortfx.runtime.module import ORTModule
 from ortfx.transitions import Stats
 
 __all__ = [

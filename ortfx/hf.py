@@ -17,7 +17,8 @@ import torch
 import transformers
 
 from ortfx.options import LogLevel, Options
-from ortfx.runtime.module import ORTModule, options_of, stats
+from ortfx.runtime.api import options_of, stats
+from ortfx.runtime.module import ORTModule
 
 __all__ = ["ORTSeq2SeqTrainer", "ORTTrainer"]
 

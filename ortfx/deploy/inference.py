@@ -18,7 +18,8 @@ from ortfx.deploy import check, files, names, tracing
 from ortfx.errors import OrtfxIOError, OrtfxTorchModelError
 from ortfx.options import Options
 from ortfx.runtime import logs
-from ortfx.runtime.module import ORTModule, options_of
+from ortfx.runtime.api import options_of
+from ortfx.runtime.module import ORTModule
 from ortfx.runtime.ort import require_ort
 from ortfx.schema import ModelSchema, TensorSpec
 

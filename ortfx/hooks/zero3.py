@@ -44,8 +44,9 @@ from ortfx._torch import queue_after_backward
 from ortfx.errors import OrtfxInitError
 from ortfx.options import LogLevel
 from ortfx.runtime import memgrad, partitioned
+from ortfx.runtime.api import configure
 from ortfx.runtime.logs import WrapperLog
-from ortfx.runtime.module import ORTModule, configure
+from ortfx.runtime.module import ORTModule
 
 DEEPSPEED_MISSING = (
     "ortfx.hooks.configure_ort_compatible_zero_stage3 needs DeepSpeed, which could not be "

@@ -1,4 +1,4 @@
-"""``ORTModule``: the drop-in ``nn.Module`` façade, and the thin public functions over it.
+"""``ORTModule``: the drop-in ``nn.Module`` façade (its public functions: :mod:`ortfx.runtime.api`).
 
 The façade holds one frozen :class:`~ortfx.runtime.shell.Shell` in its ``_ortfx`` slot and
 replaces it whole: each forward hands it to :func:`ortfx.runtime.shell.call` and commits the
@@ -16,25 +16,20 @@ from typing import Any
 import attrs
 import torch
 
-from ortfx import _torch, io, module_state
+from ortfx import _torch, io
 from ortfx.errors import (
     ALREADY_WRAPPED,
     BAD_DEBUG_OPTIONS,
     DATA_PARALLEL,
     NOT_A_MODULE,
-    NOT_A_WRAPPER,
-    UNKNOWN_OPTIONS,
     OrtfxError,
     OrtfxInitError,
     OrtfxTorchModelError,
 )
-from ortfx.keys import Transition
-from ortfx.memory import MemoryPlan
 from ortfx.options import DebugOptions, Options
 from ortfx.runtime import shell as engine
-from ortfx.runtime import state_dicts, watch
+from ortfx.runtime import state_dicts, watch, wrapper_classes
 from ortfx.runtime.ort import require_ort
-from ortfx.transitions import Stats
 
 # Names that live on the wrapper itself; everything else is forwarded to the user's module.
 _OWN = frozenset({"training", state_dicts.INNER, "_ortfx"})
@@ -218,7 +213,7 @@ class ORTModule(torch.nn.Module):
     def _ortfx_call(self, *args: Any, **kwargs: Any) -> Any:
         failed: engine.CallFailed | None = None
         base = self._ortfx
-        token = _IN_WRAPPER.set(True)  # the module's own forward from here on (_on_module)
+        token = _IN_WRAPPER.set(True)  # the module's own forward from here on (wrapper_classes)
         try:
             # Caches in the call are changed in place, as in PyTorch (see ortfx.io.originals).
             with io.originals(io.call_tree(args, kwargs)):
@@ -395,175 +390,20 @@ _ABSENT = object()
 # Commits of every wrapper: each is a few attribute reads and one store.
 _COMMIT_LOCK = threading.RLock()
 
-
-# ---- one subclass per wrapped class -------------------------------------------------------------
-
-_CLASSES: dict[type, type[ORTModule]] = {}
-_CLASSES_LOCK = threading.Lock()
-
-
-def wrapper_class(cls: type[torch.nn.Module]) -> type[ORTModule]:
-    """The ORTModule subclass for modules of class ``cls``: the user's forward signature
-    (inspect, IDEs, transformers' argument checks) and the user's own methods, which run with
-    the wrapper as ``self`` so that their ``self(...)`` goes through ORT."""
-    with _CLASSES_LOCK:
-        found = _CLASSES.get(cls)
-        if found is None:
-
-            def forward(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
-                return self._ortfx_forward(*args, **kwargs)
-
-            user_forward = cls.forward
-            forward.__signature__ = inspect.signature(user_forward)  # type: ignore[attr-defined]
-            forward.__doc__ = user_forward.__doc__
-            namespace: dict[str, Any] = dict(_user_methods(cls))
-            if _is_peft(cls):
-                # PEFT's generate calls the base model's generate, whose steps call the base
-                # model itself: route them through the wrapper (the adapters' forward).
-                namespace["generate"] = _on_module("generate", target=_base_model)
-            namespace.update(forward=forward, __module__=ORTModule.__module__)
-            found = type("ORTModule", (ORTModule,), namespace)
-            found.__qualname__ = "ORTModule"
-            _CLASSES[cls] = found
-        return found
-
-
-def _blank(cls: type[torch.nn.Module]) -> ORTModule:
-    """An uninitialized wrapper of modules of class ``cls`` (for unpickling and copies)."""
-    instance: ORTModule = object.__new__(wrapper_class(cls))
-    return instance
-
-
-def _user_methods(cls: type) -> list[tuple[str, Callable[..., Any]]]:
-    """Plain functions the user's classes define, except forward and anything that overrides
-    the nn.Module API (e.g. transformers' ``train``/``eval``): those stay the wrapper's."""
-    reserved = set(dir(torch.nn.Module)) | set(vars(ORTModule))
-    found: dict[str, Callable[..., Any]] = {}
-    for klass in reversed(cls.__mro__):
-        if klass in torch.nn.Module.__mro__ or klass.__module__.startswith("torch."):
-            continue
-        for name, value in vars(klass).items():
-            if inspect.isfunction(value) and name not in reserved and not name.startswith("__"):
-                found[name] = _on_module(name) if _uses_super(value) else value
-    return sorted(found.items())
-
-
-def _uses_super(function: Callable[..., Any]) -> bool:
-    """Zero-argument ``super()`` needs ``self`` to be an instance of the defining class. Looks
-    through decorators that keep ``__wrapped__`` (``functools.wraps``), as transformers' own
-    deprecation decorators on ``prepare_inputs_for_generation`` do (Phi-3)."""
-    return any(
-        "__class__" in getattr(getattr(f, "__code__", None), "co_freevars", ())
-        for f in (function, inspect.unwrap(function))
-    )
-
-
 # True while a wrapper runs its module (export, fallback): the module's calls are its own.
 _IN_WRAPPER = watch.IN_WRAPPER
 
 
-def _is_peft(cls: type) -> bool:
-    """A PEFT model class (``PeftModel`` and its task subclasses), known without importing
-    peft: its ``get_base_model`` gives the model whose forward ``generate`` steps call."""
-    return cls.__module__.startswith("peft.") and callable(getattr(cls, "get_base_model", None))
+# ---- one subclass per wrapped class (ortfx/runtime/wrapper_classes.py) ----------------------
 
 
-def _base_model(module: torch.nn.Module) -> torch.nn.Module:
-    base: torch.nn.Module = module.get_base_model()  # type: ignore[operator]
-    return base
+def wrapper_class(cls: type[torch.nn.Module]) -> type[ORTModule]:
+    """The ORTModule subclass for modules of class ``cls`` (made once per class)."""
+    return wrapper_classes.subclass(cls, ORTModule)
 
 
-def _on_module(
-    name: str, *, target: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m
-) -> Callable[..., Any]:
-    """A method that runs the user's ``name`` on the wrapped module (for methods that call
-    ``super()``, e.g. Whisper's ``generate`` and transformers' ``prepare_inputs_for_generation``
-    overrides), with the module's own calls (``self(...)``, ``self.forward(...)``) routed
-    through the wrapper, so that they run in ORT as when the wrapper is ``self``. ``target``
-    names the module whose calls are routed, when the method calls another module's forward
-    (a PEFT model's ``generate`` calls its base model's)."""
-
-    def method(self: ORTModule, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        called = target(module)
-        if _IN_WRAPPER.get() or "forward" in vars(called):  # nested, or the user's attribute
-            return getattr(module, name)(*args, **kwargs)
-        real = type(called).forward
-
-        def routed(*a: Any, **k: Any) -> Any:
-            if _IN_WRAPPER.get():  # the wrapper exporting or falling back: the real forward
-                return real(called, *a, **k)
-            return self._ortfx_forward(*a, **k)
-
-        setattr(routed, module_state.ROUTED, True)  # ortfx's own, for this call only
-        object.__setattr__(called, "forward", routed)  # an instance attribute, for this call
-        try:
-            return getattr(module, name)(*args, **kwargs)
-        finally:
-            vars(called).pop("forward", None)
-
-    method.__name__ = method.__qualname__ = name
-    return method
-
-
-# ---- the public functions -----------------------------------------------------------------------
-
-
-def stats(model: torch.nn.Module) -> Stats:
-    """Counters of ``model`` (an ``ORTModule``): calls, exports, re-processes, sessions, hits."""
-    return _wrapper(model)._ortfx.state.stats
-
-
-def explain(model: torch.nn.Module) -> tuple[Transition, ...]:
-    """Every transition so far (exports, re-processes, new sessions) with its reasons."""
-    return _wrapper(model)._ortfx.state.history
-
-
-def options_of(model: torch.nn.Module) -> Options:
-    """The options ``model`` (an ``ORTModule``) runs with, environment variables applied."""
-    return _wrapper(model)._ortfx.options
-
-
-def memory_report(model: torch.nn.Module) -> tuple[MemoryPlan, ...]:
-    """The memory optimizer's recompute plans for ``model``'s current training graph: cluster,
-    ON/OFF, the config string that enables it, frequency and estimated bytes saved per step."""
-    wrapper = _wrapper(model)
-    base = wrapper._ortfx
-    report, shell = engine.memory_report(base)
-    wrapper._ortfx_commit(shell, base=base)
-    return report
-
-
-def configure(model: torch.nn.Module, **changes: Any) -> None:
-    """Change options of a live wrapper, e.g. ``ortfx.configure(model, memory_opt_level=1)``.
-
-    Options that change the exported graph re-export; memory optimizer options re-process;
-    session settings open a new session; invalid values raise and leave the wrapper as it was.
-    """
-    wrapper = _wrapper(model)
-    known = {f.name for f in attrs.fields(Options)}
-    unknown = sorted(set(changes) - known)
-    if unknown:
-        raise TypeError(
-            UNKNOWN_OPTIONS.format(
-                unknown=", ".join(map(repr, unknown)), known=", ".join(sorted(known))
-            )
-        )
-    attrs.evolve(wrapper._ortfx.options, **changes)  # invalid values raise here, changing nothing
-    wrapper._ortfx_update(
-        lambda shell: shell.configured(
-            attrs.evolve(shell.options, **changes), exporter_changed="exporter" in changes
-        )
-    )
-
-
-def invalidate(model: torch.nn.Module, reason: str = "ortfx.invalidate() was called") -> None:
-    """Force a re-export on the next call, after changing an inner module's plain attributes
-    directly (``model.block.scale = 2``), which ortfx cannot see cheaply."""
-    _wrapper(model)._ortfx_invalidate(reason)
-
-
-def _wrapper(model: torch.nn.Module) -> ORTModule:
-    if not isinstance(model, ORTModule):
-        raise TypeError(NOT_A_WRAPPER.format(type_name=type(model).__qualname__))
-    return model
+def _blank(cls: type[torch.nn.Module]) -> ORTModule:
+    """An uninitialized wrapper of modules of class ``cls`` (for unpickling and copies; pickles
+    name this function, so it stays here)."""
+    instance: ORTModule = object.__new__(wrapper_class(cls))
+    return instance
