@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ortfx
+from tests.models import backward_both_and_compare
 
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE, cache_size=16)
 WIDTH = 4
@@ -79,18 +80,7 @@ def test_every_call_matches_pytorch_whatever_graphs_were_kept(
     for shift, n, data_seed in calls:
         x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(data_seed)) + shift
         count = torch.tensor(n)
-        model.zero_grad()
-        reference.zero_grad()
         got, expected = wrapped(x, count), reference(x, count)
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), (kinds, shift, n)
-        got.sum().backward()
-        expected.sum().backward()
-        for (name, a), (_, b) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            if b.grad is None:
-                assert a.grad is None, name
-            else:
-                assert a.grad is not None, name
-                assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=0), name
+        backward_both_and_compare(got, expected, model, reference, where=(kinds, shift, n))
     assert ortfx.stats(wrapped).fallback_calls == 0

@@ -125,6 +125,34 @@ def max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return float((a.detach().double() - b.detach().double()).abs().max())
 
 
+def backward_both_and_compare(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    model: nn.Module,
+    reference: nn.Module,
+    *,
+    tol: float = 1e-5,
+    where: object = None,
+    zeros_for_none: bool = False,
+) -> None:
+    """Zero both modules' gradients, backward the sum of each output, and compare every
+    parameter gradient (``tol`` absolute). A parameter eager leaves without a gradient (a branch
+    not taken) has none through ortfx either; ``zeros_for_none`` also accepts zeros there (an
+    output unused by the loss, where ORT gives zeros). ``where`` labels a failure."""
+    model.zero_grad()
+    reference.zero_grad()
+    got.sum().backward()
+    expected.sum().backward()
+    for (name, a), (_, b) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        if b.grad is None:
+            none = a.grad is None or (zeros_for_none and not a.grad.any())
+            assert none, (where, name)
+        else:
+            assert a.grad is not None and max_diff(a.grad, b.grad) <= tol, (where, name)
+
+
 def clone_inputs(tree: Any) -> Any:
     """Fresh leaf tensors (same values and requires_grad) for an independent run."""
     leaves, spec = io.flatten(tree)

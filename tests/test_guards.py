@@ -26,7 +26,7 @@ from torch import nn
 
 import ortfx
 from ortfx.runtime.execute import MAX_GUARD_VALUES
-from tests.models import max_diff
+from tests.models import backward_both_and_compare, max_diff
 
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
 INFO = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE, log_level=ortfx.LogLevel.INFO)
@@ -50,17 +50,7 @@ def _same_as_eager(
         got, expected = wrapped(*args), reference(*args)
         assert max_diff(got, expected) <= TOL, (k, got, expected)
         if train:
-            model.zero_grad()
-            reference.zero_grad()
-            got.sum().backward()
-            expected.sum().backward()
-            for (name, a), (_, b) in zip(
-                model.named_parameters(), reference.named_parameters(), strict=True
-            ):
-                if b.grad is None:  # a branch not taken: no gradient, in both
-                    assert a.grad is None, (k, name)
-                else:
-                    assert max_diff(a.grad, b.grad) <= TOL, (k, name)
+            backward_both_and_compare(got, expected, model, reference, tol=TOL, where=k)
     return wrapped
 
 
