@@ -108,6 +108,12 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         None,
         {},
     ),
+    "tied-gather-dense": (
+        "gradient pass off: grad_kernels.embedding_grads_scattered (a tied embedding's dense "
+        "GatherGrad table and Sum, 2026-11-27)",
+        None,
+        {},
+    ),
     "keep-torch-threads": (
         "Options(release_torch_threads=False): torch's OpenMP workers spin during ORT runs",
         None,
@@ -123,6 +129,7 @@ PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "no-empty-reductions": [("ortfx.passes.reductions", "drop_empty_broadcast_reductions", 0)],
     "relu-grad-ort": [("ortfx.passes", "relu_grad_in_torch", False)],
     "weights-transposed": [("ortfx.passes.speed", "weights_untransposed", UNCHANGED)],
+    "tied-gather-dense": [("ortfx.passes", "embedding_grads_scattered", False)],
 }
 
 

@@ -289,3 +289,22 @@ def test_a_tied_lm_head_reads_the_embedding_untransposed() -> None:
     model = models.tiny_gpt2()
     assert _weight_transposes(ortfx.ORTModule(copy.deepcopy(model)), **kwargs) == []
     check_parity(model, (), kwargs, loss=lambda out: out.loss + out.logits.square().mean())
+
+
+def test_a_tied_embeddings_gradients_are_added_without_a_dense_table(tmp_path: Path) -> None:
+    """GPT-2's tied embedding: the rows' gradients are scattered into the head's gradient
+    (no GatherGrad's dense table of zeros), repeated tokens included; every gradient as
+    eager's (1e-5)."""
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 3, 7, 1, 3, 60, 7, 2], [0, 1, 1, 1, 63, 63, 5, 3]])
+    kwargs = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+    model = models.tiny_gpt2()
+    options = ortfx.Options(save_onnx=True, onnx_prefix="tied", save_path=str(tmp_path))
+    wrapped = ortfx.ORTModule(model, options=options)
+    check_parity(model, (), kwargs, loss=lambda out: out.loss, wrapped=wrapped)
+    graph = onnx.load(str(tmp_path / "tied_optimized_training.onnx")).graph
+    gathers = {n.output[0] for n in graph.node if n.op_type == "GatherGrad"}
+    sums = [n for n in graph.node if n.name == "AccumulateGrad_module.transformer.wte.weight_grad"]
+    assert sums == [] and len(gathers) == 1  # the position embedding's (not tied) stays
+    (scatter,) = [n for n in graph.node if n.op_type == "ScatterND"]
+    assert scatter.output[0] == "module.transformer.wte.weight_grad"

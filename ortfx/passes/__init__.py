@@ -34,6 +34,7 @@ from ortfx.passes.embedding import (
 )
 from ortfx.passes.feeds import TRIGGER, feed_parameters, feeds_after_readers, owned_gradients
 from ortfx.passes.grad_kernels import (
+    embedding_grads_scattered,
     log_softmax_grad_in_torch,
     relu_grad_in_torch,
     relu_grad_passes_nan,
@@ -81,6 +82,7 @@ __all__ = [
     "after_export",
     "chain",
     "conv1d_grouped_as_2d",
+    "embedding_grads_scattered",
     "embedding_padding",
     "feed_parameters",
     "feeds_after_readers",

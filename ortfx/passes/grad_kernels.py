@@ -118,3 +118,92 @@ def relu_grad_passes_nan(model: onnx.ModelProto) -> bool:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return changed
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def embedding_grads_scattered(model: onnx.ModelProto) -> bool:
+    """In a gradient model: a weight read both by a ``Gather`` (an embedding) and by another
+    node (a tied LM head) has its two gradients summed, ``Sum(GatherGrad(...), dW)``, where
+    ``GatherGrad`` writes a dense table of zeros and the gathered rows' gradients. Written
+    instead as ``ScatterND(dW, rows, their gradients, reduction="add")``: the rows added into
+    the other gradient, without the dense table (154 MB and 29 ms per step for GPT-2's 50257 x
+    768 embedding at 124M). Only ORT's accumulation nodes (``AccumulateGrad_*``, same-shaped
+    gradients of one tensor) with a ``GatherGrad`` on axis 0 read by nothing else."""
+    if _opset(model) < 16:  # ScatterND's reduction
+        return False
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for name in graph.output:
+        readers[name.name] = readers.get(name.name, 0) + 1
+    h = onnx.helper
+    rewritten: dict[int, list[onnx.NodeProto]] = {}
+    dropped: set[str] = set()  # the GatherGrad outputs replaced
+    for i, node in enumerate(graph.node):
+        if not (
+            node.op_type == "Sum"
+            and node.domain in ("", "ai.onnx")
+            and node.name.startswith("AccumulateGrad_")
+            and len(node.input) == 2
+        ):
+            continue
+        gathers = [
+            k
+            for k, name in enumerate(node.input)
+            if (g := producer.get(name)) is not None
+            and g.op_type == "GatherGrad"
+            and g.domain == "com.microsoft"
+            and next((a.i for a in g.attribute if a.name == "axis"), 0) == 0
+            and readers.get(name) == 1
+        ]
+        if len(gathers) != 1:
+            continue
+        gather = producer[node.input[gathers[0]]]
+        other = node.input[1 - gathers[0]]
+        shape, indices, grad = gather.input[:3]
+        tag = f"{node.name}_scattered"
+        consts = [
+            h.make_tensor(f"{tag}_rows_shape", onnx.TensorProto.INT64, [2], [-1, 1]),
+            h.make_tensor(f"{tag}_one", onnx.TensorProto.INT64, [1], [1]),
+            h.make_tensor(f"{tag}_end", onnx.TensorProto.INT64, [1], [2**62]),
+            h.make_tensor(f"{tag}_minus1", onnx.TensorProto.INT64, [1], [-1]),
+        ]
+        graph.initializer.extend(consts)
+        replacement = [
+            h.make_node("Reshape", [indices, consts[0].name], [f"{tag}_rows"], name=f"{tag}_rows"),
+            h.make_node(
+                "Slice", [shape, consts[1].name, consts[2].name], [f"{tag}_tail"],
+                name=f"{tag}_tail",
+            ),
+            h.make_node(
+                "Concat", [consts[3].name, f"{tag}_tail"], [f"{tag}_updates_shape"],
+                name=f"{tag}_updates_shape", axis=0,
+            ),
+            h.make_node(
+                "Reshape", [grad, f"{tag}_updates_shape"], [f"{tag}_updates"],
+                name=f"{tag}_updates",
+            ),
+            h.make_node(
+                "ScatterND", [other, f"{tag}_rows", f"{tag}_updates"], list(node.output),
+                name=tag, reduction="add",
+            ),
+        ]  # fmt: skip
+        rewritten[i] = replacement
+        dropped.add(gather.output[0])
+    if not rewritten:
+        return False
+    nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(graph.node):
+        if i in rewritten:
+            nodes.extend(rewritten[i])
+        elif not (node.op_type == "GatherGrad" and node.output[0] in dropped):
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return True
