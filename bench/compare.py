@@ -358,7 +358,9 @@ def roofline(model: str, ns: argparse.Namespace, log: Path) -> dict[str, Any]:
 
 
 def summarise(
-    records: list[dict[str, Any]], warmup: int, limits: dict[str, dict[str, Any]] | None = None
+    records: list[dict[str, Any]],
+    warmup: int,
+    limits: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (model, backend): statistics over rounds, ratios against same-round eager
     and, with a measured roofline, the step as a multiple of it."""
@@ -424,11 +426,21 @@ def summarise(
                 loss_diff=max(loss_diffs) if loss_diffs else float("nan"),
                 losses=ok[0]["losses"][:N_LOSSES],
             )
-            limit = (limits or {}).get(model, {})
-            if limit.get("ok"):
-                row["roofline_ms"] = 1e3 * limit["roofline_s"]
-                row["x_roofline"] = row["step_ms_median"] / row["roofline_ms"]
-                row["x_roofline_min"] = row["step_ms_min"] / row["roofline_ms"]
+            # Each round's steps against the roofline measured just before that round.
+            by_round = {
+                limit["round"]: limit["roofline_s"]
+                for limit in (limits or {}).get(model, [])
+                if limit.get("ok")
+            }
+            per_round_x = [
+                (common.median(steady(r, warmup)), min(steady(r, warmup)), by_round[r["round"]])
+                for r in ok
+                if r["round"] in by_round
+            ]
+            if per_round_x:
+                row["roofline_ms"] = 1e3 * common.median([lim for _, _, lim in per_round_x])
+                row["x_roofline"] = common.median([med / lim for med, _, lim in per_round_x])
+                row["x_roofline_min"] = min(low / lim for _, low, lim in per_round_x)
             rows.append(row)
     return rows
 
@@ -437,16 +449,21 @@ def markdown(
     rows: list[dict[str, Any]],
     ns: argparse.Namespace,
     mach: dict[str, Any],
-    limits: dict[str, dict[str, Any]] | None = None,
+    limits: dict[str, list[dict[str, Any]]] | None = None,
 ) -> str:
     from bench.roofline import summary
 
-    roof = [
-        f"Roofline of {m} (bench.roofline, this run): {summary(r)}."
-        if r.get("ok")
-        else f"Roofline of {m}: failed ({r.get('error', '?')[:200]})."
-        for m, r in (limits or {}).items()
-    ]
+    roof = []
+    for m, rounds in (limits or {}).items():
+        good = [r for r in rounds if r.get("ok")]
+        if not good:
+            roof.append(f"Roofline of {m}: failed ({rounds[0].get('error', '?')[:200]}).")
+            continue
+        each = ", ".join(f"{1e3 * r['roofline_s']:.0f}" for r in good)
+        roof.append(
+            f"Roofline of {m} (bench.roofline before each round, this run): {each} ms by "
+            f"round; the first: {summary(good[0])}."
+        )
     lines = [
         f"# Training-step benchmark ({mach['date'][:10]})",
         "",
@@ -476,9 +493,9 @@ def markdown(
         "other load on a shared machine is not counted); "
         "loss diff = max |loss - eager loss| over the first 5 steps"
         + (
-            "; x roofline = step median / the roofline (fastest of each step's products, "
-            "everything else counted as zero: see bench/roofline.py), with the fastest step's "
-            "in brackets."
+            "; x roofline = step median / the roofline measured just before the same round "
+            "(fastest of each step's products, everything else counted as zero: see "
+            "bench/roofline.py), median over rounds, with the fastest step's in brackets."
             if roof
             else "."
         ),
@@ -582,17 +599,18 @@ def parent(ns: argparse.Namespace) -> None:
     jsonl = stem.with_suffix(".jsonl")
     with jsonl.open("w") as f:
         f.write(json.dumps({"machine": mach, "argv": ns.argv}) + "\n")
-    limits: dict[str, dict[str, Any]] = {}
+    limits: dict[str, list[dict[str, Any]]] = {}
     for model in models:
-        if ns.roofline:
-            limits[model] = roofline(model, ns, log)
-            with jsonl.open("a") as f:
-                f.write(json.dumps({"roofline": limits[model]}) + "\n")
-            if limits[model].get("ok"):
-                from bench.roofline import summary
-
-                print(f"{model:18s} roofline: {summary(limits[model])}", flush=True)
         for rnd in range(ns.rounds):
+            if ns.roofline:  # every round: the host's speed drifts between rounds
+                limit = {**roofline(model, ns, log), "round": rnd}
+                limits.setdefault(model, []).append(limit)
+                with jsonl.open("a") as f:
+                    f.write(json.dumps({"roofline": limit}) + "\n")
+                if limit.get("ok"):
+                    from bench.roofline import summary
+
+                    print(f"{model:18s} round {rnd} roofline: {summary(limit)}", flush=True)
             k = rnd % len(backends)
             order = backends[k:] + backends[:k]
             results = (
