@@ -160,7 +160,11 @@ def _torchscript(
     from ortfx import _torch
     from ortfx.export import symbolics  # imports torch's TorchScript exporter
 
-    with exporters.quiet(), _torch.symbolics_registered(symbolics.standard(opset)):
+    with (
+        exporters.quiet(),
+        _torch.symbolics_registered(symbolics.standard(opset)),
+        _torch.shape_inference_without_weights(),  # no two copies of every weight (issue 31)
+    ):
         torch.onnx.export(
             flat,
             tensors,
