@@ -4,14 +4,20 @@ with a large embedding, eager or through ortfx, and how far it raised the peak R
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+MEASURES_PEAK = os.path.exists("/proc/self/clear_refs")  # Linux: a peak RSS that can be reset
+
 
 def high_water_mb() -> float:
+    """The process's peak RSS since the last reset (0 where it cannot be read)."""
+    if not MEASURES_PEAK:
+        return 0.0
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -20,6 +26,8 @@ def high_water_mb() -> float:
 
 
 def reset_high_water() -> None:
+    if not MEASURES_PEAK:
+        return
     with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS to the current RSS
         f.write("5")
 
@@ -83,7 +91,6 @@ def over_2gib(directory: str) -> dict[str, Any]:
     with save_onnx and the persistent cache, then once more from the warm cache."""
     import gc
     import logging
-    import os
 
     import ortfx
 

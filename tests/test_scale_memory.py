@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests.scale_worker import MEASURES_PEAK
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,7 +24,11 @@ def _first_step(backend: str, rows: int, width: int) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.skipif(
+    not MEASURES_PEAK,
+    reason="measures the peak RSS by resetting it (Linux's /proc/self/clear_refs), which this "
+    "system lacks",
+)
 def test_the_first_step_holds_no_extra_copy_of_a_large_weight() -> None:
     """A 256 MB embedding: the export (torch's whole-graph shape inference was given every
     weight's values and serialised each twice) and the first step raise the peak RSS by at
@@ -37,15 +43,15 @@ def test_the_first_step_holds_no_extra_copy_of_a_large_weight() -> None:
     assert ortfx["rise_mb"] < eager["rise_mb"] + 0.5 * table_mb, (ortfx, eager)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_a_model_over_2_gib_trains_with_saved_graphs_and_the_persistent_cache(
     tmp_path: Path,
 ) -> None:
     """Embedding(560000, 1024) + Linear: 2.3 GB of parameters, over protobuf's 2 GiB. Two SGD
     steps through ortfx give eager's losses and updated rows (1e-6); parameters are graph
     inputs, so every saved graph stays small; a second wrapper hits the persistent cache and
-    computes eager's first loss again; ortfx's peak rise stays within eager's plus 10 % of the
-    table (before the shape-inference fix the export alone rose by two tables)."""
+    computes eager's first loss again; where the peak RSS can be reset (Linux), ortfx's peak
+    rise stays within eager's plus 10 % of the table (before the shape-inference fix the
+    export alone rose by two tables)."""
     found = subprocess.run(
         [sys.executable, "-m", "tests.scale_worker", "over_2gib", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
@@ -58,5 +64,7 @@ def test_a_model_over_2_gib_trains_with_saved_graphs_and_the_persistent_cache(
     assert r["rows_diff"] < 1e-6 and r["out_diff"] < 1e-6, r
     assert r["files"] and all(size < 2**31 for size in r["files"].values()), r["files"]
     assert r["cache_misses"] >= 1 and r["cache_hits"] >= 1, r
-    eager_rise, ours_rise = r["rise_mb"]
-    assert ours_rise < eager_rise + 0.1 * r["table_mb"], r["rise_mb"]
+    if MEASURES_PEAK:  # elsewhere the worker reports no rise (0) for either side
+        eager_rise, ours_rise = r["rise_mb"]
+        assert eager_rise > 0.9 * r["table_mb"]  # eager holds the dense gradient
+        assert ours_rise < eager_rise + 0.1 * r["table_mb"], r["rise_mb"]
