@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -151,6 +152,29 @@ def backward_both_and_compare(
             assert none, (where, name)
         else:
             assert a.grad is not None and max_diff(a.grad, b.grad) <= tol, (where, name)
+
+
+SHAPE_INFERENCE = "_jit_pass_onnx_graph_shape_type_inference"
+
+
+@contextlib.contextmanager
+def shape_inference_recorded() -> Iterator[list[dict[str, tuple[int, ...]]]]:
+    """While the block runs, torch's whole-graph ONNX shape inference is a stand-in that
+    records the shapes of the parameter values each call is given, then runs torch's own; the
+    block also checks that whatever ortfx installs around an export put the stand-in back."""
+    original = getattr(torch._C, SHAPE_INFERENCE)
+    received: list[dict[str, tuple[int, ...]]] = []
+
+    def stand_in(graph: Any, params: dict[str, Any], opset: int) -> Any:
+        received.append({k: tuple(v.shape) for k, v in params.items()})
+        return original(graph, params, opset)
+
+    setattr(torch._C, SHAPE_INFERENCE, stand_in)
+    try:
+        yield received
+        assert getattr(torch._C, SHAPE_INFERENCE) is stand_in
+    finally:
+        setattr(torch._C, SHAPE_INFERENCE, original)
 
 
 def clone_inputs(tree: Any) -> Any:

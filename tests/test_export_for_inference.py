@@ -18,7 +18,7 @@ import transformers
 
 import ortfx
 from ortfx.runtime.ort import ort  # imported by ortfx, without upstream's front end
-from tests.models import tiny_mixtral
+from tests.models import shape_inference_recorded, tiny_mixtral
 
 
 def _session(path: str) -> Any:
@@ -648,21 +648,9 @@ def test_the_export_gives_torchs_shape_inference_no_large_weight_values(tmp_path
     shape inference gets those over 65,536 elements by type only: given their values it
     serialised each weight twice (19 of the 49 s, and 2 GB of peak, for the 2.15 GB model).
     The pass is torch's own again afterwards, and the file holds the weight."""
-    name = "_jit_pass_onnx_graph_shape_type_inference"
-    original = getattr(torch._C, name)
-    received: list[dict[str, tuple[int, ...]]] = []
-
-    def stand_in(graph: Any, params: dict[str, Any], opset: int) -> Any:
-        received.append({k: tuple(v.shape) for k, v in params.items()})
-        return original(graph, params, opset)
-
     model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh(), torch.nn.Linear(300, 2))
-    setattr(torch._C, name, stand_in)
-    try:
+    with shape_inference_recorded() as received:
         record = ortfx.export_for_inference(model, (torch.randn(2, 300),), tmp_path / "m.onnx")
-        assert getattr(torch._C, name) is stand_in
-    finally:
-        setattr(torch._C, name, original)
     assert received and all((300, 300) not in r.values() for r in received), received
     assert any((300,) in r.values() for r in received)  # small ones keep their values
     weights = {t.name: tuple(t.dims) for t in onnx.load(str(record.path)).graph.initializer}

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import ortfx
+from tests.models import SHAPE_INFERENCE, shape_inference_recorded
 
 ROOT = Path(__file__).resolve().parent.parent
 STRICT = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
@@ -418,13 +419,9 @@ def test_torchs_shape_inference_pass_is_scoped_to_ortfxs_own_export() -> None:
     own export (memory, issue 31): another thread calling the pass meanwhile gets exactly what
     it passes, the pass is what it was again afterwards, and a replacement someone installs
     meanwhile stays."""
-    name = "_jit_pass_onnx_graph_shape_type_inference"
+    name = SHAPE_INFERENCE
     original = getattr(torch._C, name)
     received: list[dict[str, tuple[int, ...]]] = []
-
-    def stand_in(graph: Any, params: dict[str, Any], opset: int) -> Any:
-        received.append({k: tuple(v.shape) for k, v in params.items()})
-        return original(graph, params, opset)
 
     class Looks(nn.Module):
         def __init__(self) -> None:
@@ -443,15 +440,12 @@ def test_torchs_shape_inference_pass_is_scoped_to_ortfxs_own_export() -> None:
                 spy.join()
             return self.lin(x)
 
-    setattr(torch._C, name, stand_in)
-    try:
+    with shape_inference_recorded() as seen:
+        received = seen  # the forward above looks at it while traced
         ortfx.ORTModule(Looks(), options=STRICT)(torch.randn(2, 300)).sum().backward()
-        assert getattr(torch._C, name) is stand_in
-        assert received[0] == {"w": (300, 300)}  # the other thread's call, whole
-        # ortfx's own export, twice (torch runs the pass twice): the small bias only.
-        assert received[1:] == [{"module.lin.bias": (300,)}] * 2, received
-    finally:
-        setattr(torch._C, name, original)
+    assert received[0] == {"w": (300, 300)}  # the other thread's call, whole
+    # ortfx's own export, twice (torch runs the pass twice): the small bias only.
+    assert received[1:] == [{"module.lin.bias": (300,)}] * 2, received
 
     def users(graph: Any, params: dict[str, Any], opset: int) -> Any:
         return original(graph, params, opset)
