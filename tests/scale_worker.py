@@ -11,25 +11,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.memory import _hwm_mb, _reset_hwm  # VmHWM, and its reset by clear_refs
+
 MEASURES_PEAK = os.path.exists("/proc/self/clear_refs")  # Linux: a peak RSS that can be reset
 
 
 def high_water_mb() -> float:
     """The process's peak RSS since the last reset (0 where it cannot be read)."""
-    if not MEASURES_PEAK:
-        return 0.0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _hwm_mb() if MEASURES_PEAK else 0.0
 
 
 def reset_high_water() -> None:
-    if not MEASURES_PEAK:
-        return
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS to the current RSS
-        f.write("5")
+    if MEASURES_PEAK:
+        _reset_hwm()
 
 
 class Table(nn.Module):
