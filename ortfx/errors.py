@@ -224,6 +224,13 @@ WRONG_AVERAGE_POOL_3D = (
     "as a 3-d AveragePool"
 )
 
+WRONG_REDUCING_SCATTER = (
+    "its gradient of a {op} with reduction '{reduction}' ignores the reduction (measured "
+    "against PyTorch: scatter_reduce with amax, amin and prod, and the input of a reducing "
+    "scatter, got wrong gradients); ortfx exports scatter_add, scatter_reduce('sum') and "
+    "index_put(accumulate=True) in a form ORT differentiates correctly"
+)
+
 STATIC_SIZES_SESSION = (
     "ORT's gradient kernels of {ops} read sizes from the graph, so ortfx builds the training "
     "session for concrete input sizes and one session per size"

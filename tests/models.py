@@ -133,11 +133,12 @@ def backward_both_and_compare(
     reference: nn.Module,
     *,
     tol: float = 1e-5,
+    rtol: float = 0.0,
     where: object = None,
     zeros_for_none: bool = False,
 ) -> None:
     """Zero both modules' gradients, backward the sum of each output, and compare every
-    parameter gradient (``tol`` absolute). A parameter eager leaves without a gradient (a branch
+    parameter gradient (within ``tol`` plus ``rtol`` times eager's largest magnitude). A parameter eager leaves without a gradient (a branch
     not taken) has none through ortfx either; ``zeros_for_none`` also accepts zeros there (an
     output unused by the loss, where ORT gives zeros). ``where`` labels a failure."""
     model.zero_grad()
@@ -151,7 +152,8 @@ def backward_both_and_compare(
             none = a.grad is None or (zeros_for_none and not a.grad.any())
             assert none, (where, name)
         else:
-            assert a.grad is not None and max_diff(a.grad, b.grad) <= tol, (where, name)
+            bound = tol + rtol * float(b.grad.abs().max())
+            assert a.grad is not None and max_diff(a.grad, b.grad) <= bound, (where, name)
 
 
 SHAPE_INFERENCE = "_jit_pass_onnx_graph_shape_type_inference"

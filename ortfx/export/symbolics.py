@@ -22,7 +22,9 @@ Registered for the duration of each of ortfx's TorchScript exports only (:func:`
 - ``aten::floor_divide`` floors (the exporter truncates), ``aten::div`` with a rounding mode
   keeps inf and NaN, float ``aten::remainder`` comes from ``fmod``, ``aten::__rshift__`` of
   signed integers shifts arithmetically, ``aten::atan2`` has torch's quadrants and infinities;
-- ``aten::embedding`` rejects negative indices as PyTorch does (``Gather`` wraps them);
+- ``aten::embedding`` rejects negative indices as PyTorch does (``Gather`` wraps them), as do
+  ``gather``, ``scatter*``, ``index_select``, ``index_copy``, ``one_hot`` and the losses'
+  targets (:mod:`ortfx.export.indexing`);
 - ``aten::flip`` as a ``Gather`` (the exporter's negative-step ``Slice`` cannot be trained);
 - ``aten::cdist`` has gradient 0 at coincident points and real values for odd p (the
   exporter's forms: NaN);
@@ -49,6 +51,7 @@ import torch.onnx.symbolic_opset14 as opset14
 
 from ortfx import _torch, aten
 from ortfx.errors import OrtfxExportError
+from ortfx.export import indexing
 
 # The exporter's own private helpers (looked up through ortfx._torch, which names the torch
 # version if one is gone).
@@ -344,25 +347,6 @@ def atan2(g: Any, y: Any, x: Any) -> Any:
     return g.op("Where", both_inf, corner, result)
 
 
-def _nonnegative(g: Any, indices: Any) -> Any:
-    """``indices`` (plus zero), with a check that fails the run if one is negative.
-
-    The check reshapes a one-element tensor to ``[1 + any(indices < 0)]``, which ORT rejects;
-    the shell then finds that the call raises in PyTorch and raises PyTorch's ``IndexError``.
-    """
-    dtype = indices.type().dtype() if indices.type().kind() == "TensorType" else torch.int64
-    kind = _ONNX_INTS.get(dtype, _ONNX_INTS[torch.int64])
-    lowest = g.op("ReduceMin", indices, keepdims_i=0)
-    negative = g.op(
-        "Cast", g.op("Less", lowest, _constant(g, 0, dtype)), to_i=_ONNX_INTS[torch.int64]
-    )
-    one = _constant(g, [1], torch.int64)
-    shape = g.op("Add", one, g.op("Reshape", negative, one))
-    checked = g.op("Reshape", _constant(g, [0], torch.int64), shape)
-    nothing = g.op("Cast", g.op("ReduceSum", checked, keepdims_i=0), to_i=kind)
-    return g.op("Add", indices, nothing)
-
-
 @helper.parse_args("v", "v", "i", "b", "v")
 def embedding(
     g: Any, weight: Any, indices: Any, padding_idx: int, scale_grad_by_freq: bool, sparse: Any
@@ -372,7 +356,7 @@ def embedding(
     ``padding_idx`` the node is ``ortfx::PaddedGather``, which
     :func:`ortfx.passes.embedding_padding` turns into a gather whose padding row gets no
     gradient (functional calls included, not only ``nn.Embedding``)."""
-    checked = _nonnegative(g, indices)
+    checked = indexing.nonnegative(g, indices)
     if padding_idx < 0:
         return opset9.embedding(g, weight, checked, padding_idx, scale_grad_by_freq, sparse)
     if scale_grad_by_freq:  # the exporter's own refusal, with its message
@@ -391,7 +375,7 @@ def embedding_forward(
     """:func:`embedding` for inference graphs: negative indices refused as in PyTorch, and
     the padding row an ordinary row (it differs from the others only in its gradient), so
     no ``ortfx::PaddedGather`` marker is written."""
-    return opset9.embedding(g, weight, _nonnegative(g, indices), -1, False, sparse)
+    return opset9.embedding(g, weight, indexing.nonnegative(g, indices), -1, False, sparse)
 
 
 def cdist(g: Any, x1: Any, x2: Any, p: Any, compute_mode: Any = None) -> Any:
@@ -683,6 +667,7 @@ def standard(opset: int, *, training: bool = False) -> list[tuple[str, Callable[
         ("aten::diff", diff, 9),
         ("aten::cumsum", cumsum, 11),
         *((name, symbolic, 9) for name, symbolic in bounds.items()),
+        *((name, symbolic, low) for name, (symbolic, low) in indexing.INDEX_CHECKS.items()),
         ("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14),
     ]
     return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]

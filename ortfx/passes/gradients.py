@@ -10,6 +10,7 @@ from ortfx.errors import (
     UNSUPPORTED_OP,
     VALUE_DEPENDENT_CONTROL_FLOW,
     WRONG_AVERAGE_POOL_3D,
+    WRONG_REDUCING_SCATTER,
     OrtfxUnsupportedOpError,
 )
 from ortfx.model_info import InputKind, PostExportProcessedModelInfo
@@ -49,7 +50,10 @@ def refuse_unsafe_gradients(info: PostExportProcessedModelInfo) -> PostExportPro
     would kill the process or be wrong, for nodes on the differentiated path: an ``If`` whose
     condition depends on tensor values (ORT 1.19's gradient builder aborts) and a 3-d
     ``AveragePool`` (its CPU gradient kernel computes wrong values; torch exports
-    ``nn.AvgPool3d`` and ``nn.LocalResponseNorm`` with it). Found by tests/test_layer_sweep."""
+    ``nn.AvgPool3d`` and ``nn.LocalResponseNorm`` with it), found by tests/test_layer_sweep;
+    and a reducing ``ScatterElements``/``ScatterND`` whose gradient ORT builds as if it did
+    not reduce: for its input under any reduction, for its updates under ``mul``/``max``/
+    ``min`` (tests/test_indexing.py)."""
     model = onnx.load_model_from_string(info.model)
     trained = {s.name for s in info.inputs if s.requires_grad}
     differentiated = computed_from(model, trained)
@@ -63,4 +67,26 @@ def refuse_unsafe_gradients(info: PostExportProcessedModelInfo) -> PostExportPro
         kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), [])
         if is_standard(node, "AveragePool") and len(kernel) == 3:
             raise _unsupported(node, WRONG_AVERAGE_POOL_3D)
+        if _wrong_scatter_gradient(node, differentiated):
+            reduction = _reduction(node)
+            raise _unsupported(
+                node, WRONG_REDUCING_SCATTER.format(op=node.op_type, reduction=reduction)
+            )
     return info
+
+
+def _reduction(node: onnx.NodeProto) -> str:
+    found = next((a.s for a in node.attribute if a.name == "reduction"), b"none")
+    return found.decode()
+
+
+def _wrong_scatter_gradient(node: onnx.NodeProto, differentiated: set[str]) -> bool:
+    """A reducing scatter whose input, or (for ``mul``/``max``/``min``) whose updates, ORT
+    would differentiate as a plain scatter."""
+    if not (is_standard(node, "ScatterElements") or is_standard(node, "ScatterND")):
+        return False
+    reduction = _reduction(node)
+    if reduction == "none":
+        return False
+    updates_wrong = reduction != "add" and node.input[2] in differentiated
+    return node.input[0] in differentiated or updates_wrong
