@@ -114,6 +114,12 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         None,
         {},
     ),
+    "ce-split": (
+        "export pass off: cross_entropy.cross_entropy_in_torch (the LogSoftmax + GatherElements "
+        "form, torch's log-softmax gradient; 2026-11-27)",
+        None,
+        {},
+    ),
     "keep-torch-threads": (
         "Options(release_torch_threads=False): torch's OpenMP workers spin during ORT runs",
         None,
@@ -130,6 +136,7 @@ PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "relu-grad-ort": [("ortfx.passes", "relu_grad_in_torch", False)],
     "weights-transposed": [("ortfx.passes.speed", "weights_untransposed", UNCHANGED)],
     "tied-gather-dense": [("ortfx.passes", "embedding_grads_scattered", False)],
+    "ce-split": [("ortfx.passes.cross_entropy", "cross_entropy_in_torch", UNCHANGED)],
 }
 
 

@@ -105,8 +105,81 @@ def _log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int) ->
     return result
 
 
+# Rows of a cross-entropy's scores handled at once: about 1 MB, so the exponentials of a chunk
+# stay in cache and no temporary of the whole [N, C] is made.
+_CHUNK_BYTES: Final = 1 << 20
+_NONE, _MEAN, _SUM = 0, 1, 2  # torch's reduction enum
+
+
+def _rows(scores: torch.Tensor) -> int:
+    return max(1, _CHUNK_BYTES // max(1, scores.shape[-1] * scores.element_size()))
+
+
+def _targets(
+    scores: torch.Tensor, labels: torch.Tensor, ignore_index: int, ignores: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labels as row indices (ignored ones as 0) and the mask of rows that count; raises
+    PyTorch's IndexError for a counted label outside ``[0, C)``."""
+    flat = labels.reshape(-1).long()
+    valid = flat != ignore_index if ignores else torch.ones_like(flat, dtype=torch.bool)
+    index = flat.where(valid, 0)
+    outside = valid & ((flat < 0) | (flat >= scores.shape[-1]))
+    if bool(outside.any()):
+        raise IndexError(f"Target {int(flat[outside][0])} is out of bounds.")
+    return index, valid
+
+
+def _cross_entropy(
+    scores: torch.Tensor, labels: torch.Tensor, ignore_index: int, ignores: bool, reduction: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.cross_entropy`` of float scores ``[N, C]`` (or ``[C]``) without materialising the
+    log-softmax: the loss and each row's log-sum-exp, which is all the gradient needs beside
+    the scores (``passes.cross_entropy_in_torch``)."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    index, valid = _targets(flat, labels, ignore_index, ignores)
+    lse = torch.empty(flat.shape[0], dtype=flat.dtype)
+    step = _rows(flat)
+    for start in range(0, flat.shape[0], step):
+        torch.logsumexp(flat[start : start + step], 1, out=lse[start : start + step])
+    picked = flat.gather(1, index[:, None]).squeeze(1)
+    nll = (lse - picked).where(valid, 0.0)
+    if reduction == _NONE:
+        return nll.reshape(labels.shape), lse
+    total = nll.sum()
+    return (total / valid.sum() if reduction == _MEAN else total), lse
+
+
+def _cross_entropy_backward(
+    grad: torch.Tensor,
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    ignores: bool,
+    reduction: int,
+) -> torch.Tensor:
+    """The gradient of :func:`_cross_entropy` for the scores: ``softmax - one_hot`` times each
+    row's weight, computed chunk by chunk into the one output buffer."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    index, valid = _targets(flat, labels, ignore_index, ignores)
+    if reduction == _NONE:
+        weight = grad.reshape(-1).where(valid, 0.0)
+    else:  # rows that do not count get 0, also when none counts (torch's nll_loss_backward)
+        weight = (grad / valid.sum() if reduction == _MEAN else grad).expand(valid.shape)
+        weight = weight.where(valid, 0.0)
+    out = torch.empty_like(flat)
+    step = _rows(flat)
+    for start in range(0, flat.shape[0], step):
+        chunk = out[start : start + step]
+        torch.sub(flat[start : start + step], lse[start : start + step, None], out=chunk)
+        chunk.exp_().mul_(weight[start : start + step, None])
+    out.scatter_add_(1, index[:, None], -weight[:, None])
+    return out.reshape(scores.shape)
+
+
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
 _INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
+_CROSS_ENTROPY: Final = ("tensor", "tensor", "int", "bool", "int")
 
 # (operator, overload name) -> how to run it
 ROUTED: Final[dict[tuple[str, str], Routed]] = {
@@ -130,6 +203,11 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),
+    # float32 cross-entropy without a log-softmax table (forward pass, cross_entropy_in_torch)
+    ("ortfx_cross_entropy", ""): Routed(_cross_entropy, _CROSS_ENTROPY, outputs=2),
+    ("ortfx_cross_entropy_backward", ""): Routed(
+        _cross_entropy_backward, ("tensor", "tensor", "tensor", "tensor", *_CROSS_ENTROPY[2:])
+    ),
 }
 
 # The gradient of each differentiable routed op, as ORT's gradient registry takes it: nodes of
@@ -161,6 +239,15 @@ GRADIENTS: Final[dict[str, list[tuple[str, str, list[str], list[str], dict[str, 
             ["GO(0)", *(f"I({i})" for i in range(5))],
             ["GI(0)"],
             {"operator": "index_add_backward"},
+        )
+    ],
+    "ortfx_cross_entropy": [
+        (
+            "ATen",
+            "org.pytorch.aten",
+            ["GO(0)", "I(0)", "I(1)", "O(1)", "I(2)", "I(3)", "I(4)"],
+            ["GI(0)"],
+            {"operator": "ortfx_cross_entropy_backward"},
         )
     ],
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import onnx
 import ortfx._bridge  # built by the install; a missing bridge must fail here, not skip
@@ -177,8 +178,8 @@ def test_index_add_with_repeated_indices_adds_them(
 
 
 class LogSoftmaxHead(torch.nn.Module):
-    """Cross-entropy (split into LogSoftmax + GatherElements by ortfx) and a log-softmax output
-    used elsewhere in the loss, along the last axis or the first."""
+    """Cross-entropy (torch's kernels through ``passes.cross_entropy_in_torch``) and a
+    log-softmax output used elsewhere in the loss, along the last axis or the first."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -199,15 +200,15 @@ def test_log_softmax_gradient_runs_in_torch(dim: int, monkeypatch: pytest.Monkey
     rewrite fails."""
     from ortfx import aten
 
-    key = ("_log_softmax_backward_data", "")
-    routed = aten.ROUTED[key]
-    calls: list[int] = []
+    calls: list[str] = []
+    for key in [("_log_softmax_backward_data", ""), ("ortfx_cross_entropy_backward", "")]:
+        routed = aten.ROUTED[key]
 
-    def counted(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return routed.function(*args)  # type: ignore[no-any-return]
+        def counted(*args: object, name: str = key[0], run: Any = routed.function) -> Any:
+            calls.append(name)
+            return run(*args)
 
-    monkeypatch.setitem(aten.ROUTED, key, aten.Routed(counted, routed.arguments))
+        monkeypatch.setitem(aten.ROUTED, key, aten.Routed(counted, routed.arguments))
     torch.manual_seed(0)
     model = LogSoftmaxHead(dim)
     strict = ortfx.Options(fallback_policy=ortfx.FallbackPolicy.DISABLE)
@@ -222,7 +223,10 @@ def test_log_softmax_gradient_runs_in_torch(dim: int, monkeypatch: pytest.Monkey
             (loss + (log_probs * (weights if dim == -1 else weights[:1])).sum()).backward()
         for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
             assert torch.allclose(p.grad, q.grad, atol=1e-5), name  # type: ignore[arg-type]
-    assert len(calls) == 2 * 3  # two log-softmax gradients per backward
+    # per backward: the log-softmax output's gradient and the cross-entropy's
+    assert sorted(calls) == sorted(
+        ["_log_softmax_backward_data", "ortfx_cross_entropy_backward"] * 3
+    )
 
 
 def test_relu_gradient_runs_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:

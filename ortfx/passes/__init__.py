@@ -25,6 +25,7 @@ The passes, one family a file:
 """
 
 from ortfx.passes.core import Edit, Pass, chain, graph_pass
+from ortfx.passes.cross_entropy import cross_entropy_in_torch, split_cross_entropy
 from ortfx.passes.dropout import add_dropout_masks, seed_random_nodes, session_seed
 from ortfx.passes.embedding import (
     PADDED_GATHER,
@@ -56,7 +57,7 @@ from ortfx.passes.pipelines import (
     for_session,
 )
 from ortfx.passes.shapes import READS_GRAPH_SIZES, mark_static_sizes, pin_sizes, symbolic_shapes
-from ortfx.passes.speed import split_cross_entropy, tanh_as_sigmoid
+from ortfx.passes.speed import tanh_as_sigmoid, weights_untransposed
 from ortfx.passes.workarounds import (
     ZERO_DIVISION_GUARD,
     conv1d_grouped_as_2d,
@@ -82,6 +83,7 @@ __all__ = [
     "after_export",
     "chain",
     "conv1d_grouped_as_2d",
+    "cross_entropy_in_torch",
     "embedding_grads_scattered",
     "embedding_padding",
     "feed_parameters",
@@ -108,6 +110,7 @@ __all__ = [
     "symbolic_shapes",
     "tanh_as_sigmoid",
     "user_inputs_first",
+    "weights_untransposed",
     "where_gradients_reduce",
     "with_dynamic_scalars",
     "with_grad_requirements",

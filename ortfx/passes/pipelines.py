@@ -17,6 +17,7 @@ import onnx
 
 from ortfx import aten
 from ortfx.passes import (
+    cross_entropy,
     dropout,
     embedding,
     feeds,
@@ -45,7 +46,9 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         speed.tanh_as_sigmoid,
         speed.weights_untransposed,
         interface.add_layernorm_stats,
-        speed.split_cross_entropy,
+        # torch's cross-entropy kernels when the bridge can run them, ONNX ops otherwise
+        *([cross_entropy.cross_entropy_in_torch] if aten.install() else []),
+        cross_entropy.split_cross_entropy,
         interface.add_cross_entropy_log_prob,
         dropout.add_dropout_masks,
         interface.separate_outputs,

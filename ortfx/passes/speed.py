@@ -1,5 +1,6 @@
 """Rewrites for speed: the same values and gradients from ops whose ORT CPU kernels are
-faster (``Tanh`` as ``Sigmoid``, ``SoftmaxCrossEntropyLoss`` as ``LogSoftmax`` + gather)."""
+faster (``Tanh`` as ``Sigmoid``, weights read in their own layout). The cross-entropy's rewrites
+are in :mod:`ortfx.passes.cross_entropy`."""
 
 from __future__ import annotations
 
@@ -50,89 +51,6 @@ def tanh_as_sigmoid(model: onnx.ModelProto) -> bool:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return changed
-
-
-def _split_cross_entropy(node: onnx.NodeProto, tag: str) -> list[onnx.NodeProto]:
-    """LogSoftmax + GatherElements + a masked reduction, equal to SoftmaxCrossEntropyLoss."""
-    h, f32, i64 = onnx.helper, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
-    nodes: list[onnx.NodeProto] = []
-    attributes = {a.name: h.get_attribute_value(a) for a in node.attribute}
-    reduction = attributes.get("reduction", b"mean")
-    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    ignore = attributes.get("ignore_index")
-    scores, labels = node.input[0], node.input[1]
-    log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else f"{tag}_log_prob"
-
-    def const(name: str, value: float | int | list[int], dtype: int) -> str:
-        values = value if isinstance(value, list) else [value]
-        dims = [len(values)] if isinstance(value, list) else []
-        tensor = h.make_tensor(f"{tag}_{name}_value", dtype, dims, values)
-        nodes.append(
-            h.make_node("Constant", [], [f"{tag}_{name}"], name=f"{tag}_{name}", value=tensor)
-        )
-        return f"{tag}_{name}"
-
-    def op(kind: str, inputs: list[str], name: str, out: str = "", **kw: Any) -> str:
-        out = out or f"{tag}_{name}"
-        nodes.append(h.make_node(kind, inputs, [out], name=f"{tag}_{name}", **kw))
-        return out
-
-    op("LogSoftmax", [scores], "log_softmax", log_prob, axis=1)
-    axis = const("axis", [1], i64)
-    index, valid = labels, ""
-    if ignore is not None:
-        ignored = op("Equal", [labels, const("ignore", int(ignore), i64)], "ignored")
-        valid = op("Not", [ignored], "valid")
-        index = op("Where", [valid, labels, const("zero_index", 0, i64)], "index")
-    gathered = op(
-        "GatherElements", [log_prob, op("Unsqueeze", [index, axis], "idx")], "gather", axis=1
-    )
-    nll = op("Neg", [op("Squeeze", [gathered, axis], "picked")], "nll")
-    if valid:
-        nll = op("Where", [valid, nll, const("zero", 0.0, f32)], "masked")
-    loss = node.output[0]
-    if reduction == "none":
-        op("Identity", [nll], "loss", loss)
-    elif reduction == "sum":
-        op("ReduceSum", [nll], "loss", loss, keepdims=0)
-    elif not valid:
-        op("ReduceMean", [nll], "loss", loss, keepdims=0)
-    else:
-        total = op("ReduceSum", [nll], "total", keepdims=0)
-        count = op("ReduceSum", [op("Cast", [valid], "valid_f", to=f32)], "count", keepdims=0)
-        op("Div", [total, count], "loss", loss)
-    return nodes
-
-
-@graph_pass
-def split_cross_entropy(model: onnx.ModelProto) -> bool:
-    """SoftmaxCrossEntropyLoss (float32, no class weights) as LogSoftmax + GatherElements.
-
-    Same values and gradients; ORT 1.19's CPU kernels for the fused op and its gradient are
-    several times slower than LogSoftmax's (measured: 7.6 % of a GPT-2 training step).
-    """
-    candidates = [
-        i
-        for i, n in enumerate(model.graph.node)
-        if is_standard(n, "SoftmaxCrossEntropyLoss") and not (len(n.input) > 2 and n.input[2])
-    ]
-    if not candidates:
-        return False
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*inferred.value_info, *inferred.input)}
-    float32 = onnx.TensorProto.FLOAT
-    replace = {i for i in candidates if types.get(model.graph.node[i].input[0]) == float32}
-    if not replace:
-        return False
-    nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(model.graph.node):
-        if i in replace:
-            nodes.extend(_split_cross_entropy(node, f"ortfx_ce_{i}"))
-        else:
-            nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    return True
 
 
 def _is_weight_transpose(node: onnx.NodeProto, matrices: set[str]) -> bool:
