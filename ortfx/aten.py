@@ -105,8 +105,8 @@ def _log_softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int) ->
     return result
 
 
-# Rows of a cross-entropy's scores handled at once: about 1 MB, so the exponentials of a chunk
-# stay in cache and no temporary of the whole [N, C] is made.
+# Rows of a cross-entropy's scores handled at once: about 1 MB, so a chunk's log-softmax or
+# softmax stays in cache and no temporary of the whole [N, C] is made.
 _CHUNK_BYTES: Final = 1 << 20
 _NONE, _MEAN, _SUM = 0, 1, 2  # torch's reduction enum
 
@@ -131,35 +131,40 @@ def _targets(
 
 def _cross_entropy(
     scores: torch.Tensor, labels: torch.Tensor, ignore_index: int, ignores: bool, reduction: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.cross_entropy`` of float scores ``[N, C]`` (or ``[C]``) without materialising the
-    log-softmax: the loss and each row's log-sum-exp, which is all the gradient needs beside
-    the scores (``passes.cross_entropy_in_torch``)."""
+) -> torch.Tensor:
+    """``F.cross_entropy`` of float scores ``[N, C]`` (or ``[C]``) by torch's log-softmax kernel,
+    a chunk of rows at a time into one small buffer: the log-probabilities are never kept
+    (``passes.cross_entropy_in_torch``)."""
     flat = scores.reshape(-1, scores.shape[-1])
     index, valid = _targets(flat, labels, ignore_index, ignores)
-    lse = torch.empty(flat.shape[0], dtype=flat.dtype)
     step = _rows(flat)
+    chunk = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=flat.dtype)
+    picked = torch.empty((flat.shape[0], 1), dtype=flat.dtype)
     for start in range(0, flat.shape[0], step):
-        torch.logsumexp(flat[start : start + step], 1, out=lse[start : start + step])
-    picked = flat.gather(1, index[:, None]).squeeze(1)
-    nll = (lse - picked).where(valid, 0.0)
+        rows = flat[start : start + step]
+        log_probs = chunk[: rows.shape[0]]
+        torch.ops.aten._log_softmax.out(rows, 1, False, out=log_probs)
+        torch.gather(
+            log_probs, 1, index[start : start + step, None], out=picked[start : start + step]
+        )
+    nll = picked.squeeze(1).neg().where(valid, 0.0)
     if reduction == _NONE:
-        return nll.reshape(labels.shape), lse
+        return nll.reshape(labels.shape)
     total = nll.sum()
-    return (total / valid.sum() if reduction == _MEAN else total), lse
+    return total / valid.sum() if reduction == _MEAN else total
 
 
 def _cross_entropy_backward(
     grad: torch.Tensor,
     scores: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
     ignore_index: int,
     ignores: bool,
     reduction: int,
 ) -> torch.Tensor:
     """The gradient of :func:`_cross_entropy` for the scores: ``softmax - one_hot`` times each
-    row's weight, computed chunk by chunk into the one output buffer."""
+    row's weight, the softmax recomputed from the scores by torch's kernel, chunk by chunk into
+    the one output buffer."""
     flat = scores.reshape(-1, scores.shape[-1])
     index, valid = _targets(flat, labels, ignore_index, ignores)
     if reduction == _NONE:
@@ -171,8 +176,8 @@ def _cross_entropy_backward(
     step = _rows(flat)
     for start in range(0, flat.shape[0], step):
         chunk = out[start : start + step]
-        torch.sub(flat[start : start + step], lse[start : start + step, None], out=chunk)
-        chunk.exp_().mul_(weight[start : start + step, None])
+        torch.ops.aten._softmax.out(flat[start : start + step], 1, False, out=chunk)
+        chunk.mul_(weight[start : start + step, None])
     out.scatter_add_(1, index[:, None], -weight[:, None])
     return out.reshape(scores.shape)
 
@@ -204,9 +209,9 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),
     # float32 cross-entropy without a log-softmax table (forward pass, cross_entropy_in_torch)
-    ("ortfx_cross_entropy", ""): Routed(_cross_entropy, _CROSS_ENTROPY, outputs=2),
+    ("ortfx_cross_entropy", ""): Routed(_cross_entropy, _CROSS_ENTROPY),
     ("ortfx_cross_entropy_backward", ""): Routed(
-        _cross_entropy_backward, ("tensor", "tensor", "tensor", "tensor", *_CROSS_ENTROPY[2:])
+        _cross_entropy_backward, ("tensor", *_CROSS_ENTROPY)
     ),
 }
 
@@ -245,7 +250,7 @@ GRADIENTS: Final[dict[str, list[tuple[str, str, list[str], list[str], dict[str, 
         (
             "ATen",
             "org.pytorch.aten",
-            ["GO(0)", "I(0)", "I(1)", "O(1)", "I(2)", "I(3)", "I(4)"],
+            ["GO(0)", *(f"I({i})" for i in range(5))],
             ["GI(0)"],
             {"operator": "ortfx_cross_entropy_backward"},
         )

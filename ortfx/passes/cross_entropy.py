@@ -2,10 +2,11 @@
 
 - :func:`cross_entropy_in_torch` (float32 scores ``[N, C]`` or ``[C]``, no class weights, the
   log-probabilities unused, the compiled bridge present): one ATen node run by torch
-  (``ortfx.aten._cross_entropy``) that returns the loss and each row's log-sum-exp, and whose
-  gradient recomputes the softmax from the scores. No ``[N, C]`` log-softmax is kept from the
-  forward to the backward, and no ``[N, C]`` gradient of it is made: for a language model's
-  logits that is two tables of the largest activation (GPT-2 124M at 2 x 128 tokens: 2 x 51 MB).
+  (``ortfx.aten._cross_entropy``: torch's log-softmax kernel a chunk of rows at a time) that
+  returns the loss, and whose gradient recomputes the softmax from the scores. No ``[N, C]``
+  log-softmax is kept from the forward to the backward, and no ``[N, C]`` gradient of it is
+  made: for a language model's logits that is two tables of the largest activation (GPT-2 124M
+  at 2 x 128 tokens: 2 x 51 MB).
 - :func:`split_cross_entropy` (the other float32 ones): ``LogSoftmax`` + ``GatherElements`` + a
   masked reduction, the same values and gradients; ORT 1.19's kernels for the fused op and its
   gradient are several times slower (7.6 % of a GPT-2 training step).
@@ -59,7 +60,7 @@ def _read(model: onnx.ModelProto) -> set[str]:
 def cross_entropy_in_torch(model: onnx.ModelProto) -> bool:
     """Each float32 ``SoftmaxCrossEntropyLoss`` of ``[N, C]`` or ``[C]`` scores, without class
     weights and whose log-probabilities nothing reads, as the ATen node
-    ``ortfx_cross_entropy`` (loss, per-row log-sum-exp); see the module docstring. Apply only
+    ``ortfx_cross_entropy``; see the module docstring. Apply only
     when :func:`ortfx.aten.install` succeeded."""
     from ortfx import aten
 
@@ -91,12 +92,12 @@ def cross_entropy_in_torch(model: onnx.ModelProto) -> bool:
             ),
         }
         model.graph.initializer.extend(constants.values())
-        loss, lse = f"{tag}_loss", f"{tag}_lse"
+        loss = f"{tag}_loss"
         nodes.append(
             h.make_node(
                 "ATen",
                 [node.input[0], node.input[1], *(c.name for c in constants.values())],
-                [loss, lse],
+                [loss],
                 name=tag,
                 domain=aten.DOMAIN,
                 operator="ortfx_cross_entropy",
@@ -107,12 +108,7 @@ def cross_entropy_in_torch(model: onnx.ModelProto) -> bool:
         # its own when it is a graph output.
         nodes.append(h.make_node("Identity", [loss], [node.output[0]], name=f"{tag}_out"))
         loss_rank = 0 if attributes["reduction"] != "none" else losses[i] - 1
-        model.graph.value_info.extend(
-            [
-                h.make_tensor_value_info(loss, _F32, [None] * loss_rank),
-                h.make_tensor_value_info(lse, _F32, [None]),
-            ]
-        )
+        model.graph.value_info.append(h.make_tensor_value_info(loss, _F32, [None] * loss_rank))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     if not any(o.domain == aten.DOMAIN for o in model.opset_import):
