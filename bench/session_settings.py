@@ -120,6 +120,12 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         None,
         {},
     ),
+    "ce-unfolded": (
+        "gradient pass off: grad_kernels.cross_entropy_grads_summed (the logits' fed gradient "
+        "added by an ORT Add after the cross-entropy's gradient; 2026-11-27)",
+        None,
+        {},
+    ),
     "keep-torch-threads": (
         "Options(release_torch_threads=False): torch's OpenMP workers spin during ORT runs",
         None,
@@ -137,6 +143,7 @@ PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "weights-transposed": [("ortfx.passes.speed", "weights_untransposed", UNCHANGED)],
     "tied-gather-dense": [("ortfx.passes", "embedding_grads_scattered", False)],
     "ce-split": [("ortfx.passes.cross_entropy", "cross_entropy_in_torch", UNCHANGED)],
+    "ce-unfolded": [("ortfx.passes", "cross_entropy_grads_summed", False)],
 }
 
 

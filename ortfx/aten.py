@@ -161,10 +161,12 @@ def _cross_entropy_backward(
     ignore_index: int,
     ignores: bool,
     reduction: int,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of :func:`_cross_entropy` for the scores: ``softmax - one_hot`` times each
     row's weight, the softmax recomputed from the scores by torch's kernel, chunk by chunk into
-    the one output buffer."""
+    the one output buffer; plus ``extra`` (a gradient fed for the scores, of their size or a
+    scalar, ``passes.cross_entropy_grads_summed``)."""
     flat = scores.reshape(-1, scores.shape[-1])
     index, valid = _targets(flat, labels, ignore_index, ignores)
     if reduction == _NONE:
@@ -172,12 +174,19 @@ def _cross_entropy_backward(
     else:  # rows that do not count get 0, also when none counts (torch's nll_loss_backward)
         weight = (grad / valid.sum() if reduction == _MEAN else grad).expand(valid.shape)
         weight = weight.where(valid, 0.0)
+    if extra is not None and extra.numel() == 1:
+        # an unused output's zero adds nothing; another scalar adds to every element
+        extra = None if float(extra) == 0.0 else extra.reshape(())
+    elif extra is not None:
+        extra = extra.reshape(flat.shape)
     out = torch.empty_like(flat)
     step = _rows(flat)
     for start in range(0, flat.shape[0], step):
         chunk = out[start : start + step]
         torch.ops.aten._softmax.out(flat[start : start + step], 1, False, out=chunk)
         chunk.mul_(weight[start : start + step, None])
+        if extra is not None:
+            chunk.add_(extra if extra.dim() == 0 else extra[start : start + step])
     out.scatter_add_(1, index[:, None], -weight[:, None])
     return out.reshape(scores.shape)
 
@@ -212,6 +221,10 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     ("ortfx_cross_entropy", ""): Routed(_cross_entropy, _CROSS_ENTROPY),
     ("ortfx_cross_entropy_backward", ""): Routed(
         _cross_entropy_backward, ("tensor", *_CROSS_ENTROPY)
+    ),
+    # ... with another gradient of the scores added in (cross_entropy_grads_summed)
+    ("ortfx_cross_entropy_backward_plus", ""): Routed(
+        _cross_entropy_backward, ("tensor", *_CROSS_ENTROPY, "tensor")
     ),
 }
 

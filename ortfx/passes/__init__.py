@@ -35,6 +35,7 @@ from ortfx.passes.embedding import (
 )
 from ortfx.passes.feeds import TRIGGER, feed_parameters, feeds_after_readers, owned_gradients
 from ortfx.passes.grad_kernels import (
+    cross_entropy_grads_summed,
     embedding_grads_scattered,
     log_softmax_grad_in_torch,
     relu_grad_in_torch,
@@ -83,6 +84,7 @@ __all__ = [
     "after_export",
     "chain",
     "conv1d_grouped_as_2d",
+    "cross_entropy_grads_summed",
     "cross_entropy_in_torch",
     "embedding_grads_scattered",
     "embedding_padding",

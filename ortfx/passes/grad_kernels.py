@@ -207,3 +207,53 @@ def embedding_grads_scattered(model: onnx.ModelProto) -> bool:
     del graph.node[:]
     graph.node.extend(nodes)
     return True
+
+
+def cross_entropy_grads_summed(model: onnx.ModelProto) -> bool:
+    """In a gradient model: the cross-entropy's gradient (``ortfx_cross_entropy_backward``)
+    summed with another gradient of the scores made before it, ``Add(other, Reshape(dS))``
+    (a language model's logits are an output too: the gradient fed for them), is computed by
+    the same node: it adds the other gradient chunk by chunk, or nothing when that is the
+    scalar zero fed for an unused output. One [N, C] pass and one [N, C] buffer fewer per
+    backward."""
+    graph = model.graph
+    # where each value is made (graph inputs and initializers before every node)
+    made = {v.name: -1 for v in (*graph.input, *graph.initializer)}
+    made.update({out: k for k, node in enumerate(graph.node) for out in node.output})
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    dropped: set[int] = set()
+    for k, node in enumerate(graph.node):
+        operator = next((a.s for a in node.attribute if a.name == "operator"), b"")
+        if not (node.op_type == "ATen" and operator == b"ortfx_cross_entropy_backward"):
+            continue
+        grad = node.output[0]
+        if grad in outputs or len(readers.get(grad, [])) != 1:
+            continue
+        reshape = readers[grad][0]
+        if not (reshape.op_type == "Reshape" and reshape.domain in ("", "ai.onnx")):
+            continue
+        after = reshape.output[0]
+        if after in outputs or len(readers.get(after, [])) != 1:
+            continue
+        add = readers[after][0]
+        if not (add.op_type == "Add" and add.domain in ("", "ai.onnx") and len(add.input) == 2):
+            continue
+        extra = add.input[1] if add.input[0] == after else add.input[0]
+        if made.get(extra, k) >= k:  # made after the node (or from its output): cannot move in
+            continue
+        node.input.append(extra)
+        for a in node.attribute:
+            if a.name == "operator":
+                a.s = b"ortfx_cross_entropy_backward_plus"
+        reshape.output[0] = add.output[0]
+        dropped.add(id(add))
+    if not dropped:
+        return False
+    kept = [n for n in graph.node if id(n) not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return True

@@ -106,6 +106,8 @@ def for_gradient(
     - ``ReluGrad`` as torch's ``threshold_backward`` (``relu_grad_in_torch``; without the
       bridge, torch's NaN semantics in ONNX ops, ``relu_grad_passes_nan``);
     - torch's log-softmax gradient (``log_softmax_grad_in_torch``);
+    - the scores' fed gradient added by the cross-entropy's gradient node
+      (``cross_entropy_grads_summed``);
     - a tied embedding's row gradients added into its other gradient
       (``embedding_grads_scattered``);
     - for memory-efficient gradients (``fed_params``), ``feeds_after_readers``, then for ZeRO-3
@@ -121,7 +123,8 @@ def for_gradient(
     # torch's log-softmax gradient through the ATen executor, when the bridge is built
     log_softmax = b"LogSoftmaxGrad_13" in model and aten.install()
     broadcasts = b"BroadcastGradientArgs" in model
-    if not (relu or log_softmax or fed_params or broadcasts or tied):
+    cross_entropy = b"ortfx_cross_entropy_backward" in model
+    if not (relu or log_softmax or fed_params or broadcasts or tied or cross_entropy):
         return model
     proto = onnx.load_model_from_string(model)
     inferred = reductions.forward_shapes(forward) if broadcasts and forward else {}
@@ -132,6 +135,7 @@ def for_gradient(
     changed = (relu and passes.relu_grad_passes_nan(proto)) or changed
     changed = (log_softmax and passes.log_softmax_grad_in_torch(proto)) or changed
     changed = (tied and passes.embedding_grads_scattered(proto)) or changed
+    changed = (cross_entropy and passes.cross_entropy_grads_summed(proto)) or changed
     if fed_params:
         changed = feeds.feeds_after_readers(proto, memgrad.FUNCTION_NAME) or changed
         if layerwise:
