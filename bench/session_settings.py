@@ -126,6 +126,12 @@ VARIANTS: dict[str, tuple[str, SoEdit | None, dict[str, Any]]] = {
         None,
         {},
     ),
+    "gelu-decomposed": (
+        "export pass off: activations.tanh_gelu_in_torch (GPT-2's hand-written tanh GELU as "
+        "ONNX elementwise ops, its tanh through Sigmoid; 2026-11-27)",
+        None,
+        {},
+    ),
     "keep-torch-threads": (
         "Options(release_torch_threads=False): torch's OpenMP workers spin during ORT runs",
         None,
@@ -144,6 +150,7 @@ PASSES_OFF: dict[str, list[tuple[str, str, Any]]] = {
     "tied-gather-dense": [("ortfx.passes", "embedding_grads_scattered", False)],
     "ce-split": [("ortfx.passes.cross_entropy", "cross_entropy_in_torch", UNCHANGED)],
     "ce-unfolded": [("ortfx.passes", "cross_entropy_grads_summed", False)],
+    "gelu-decomposed": [("ortfx.passes.activations", "tanh_gelu_in_torch", UNCHANGED)],
 }
 
 

@@ -191,6 +191,22 @@ def _cross_entropy_backward(
     return out.reshape(scores.shape)
 
 
+GELU_APPROXIMATIONS: Final = ("none", "tanh")
+
+
+def _gelu(x: torch.Tensor, approximate: int) -> torch.Tensor:
+    """torch's fused GELU (``export.routed.gelu``, ``passes.tanh_gelu_in_torch``)."""
+    mode = GELU_APPROXIMATIONS[approximate]
+    return torch.nn.functional.gelu(x, approximate=mode)
+
+
+def _gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: int) -> torch.Tensor:
+    """torch's fused GELU gradient."""
+    mode = GELU_APPROXIMATIONS[approximate]
+    result: torch.Tensor = torch.ops.aten.gelu_backward(grad, x, approximate=mode)
+    return result
+
+
 _CTC: Final = ("tensor", "tensor", "tensor", "tensor", "int", "int", "bool")
 _INDEX_ADD: Final = ("tensor", "tensor", "tensor", "int", "float")
 _CROSS_ENTROPY: Final = ("tensor", "tensor", "int", "bool", "int")
@@ -217,6 +233,9 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),
+    # GELU (exact or tanh) by torch's fused kernels, forward and gradient
+    ("ortfx_gelu", ""): Routed(_gelu, ("tensor", "int")),
+    ("ortfx_gelu_backward", ""): Routed(_gelu_backward, ("tensor", "tensor", "int")),
     # float32 cross-entropy without a log-softmax table (forward pass, cross_entropy_in_torch)
     ("ortfx_cross_entropy", ""): Routed(_cross_entropy, _CROSS_ENTROPY),
     ("ortfx_cross_entropy_backward", ""): Routed(
@@ -257,6 +276,15 @@ GRADIENTS: Final[dict[str, list[tuple[str, str, list[str], list[str], dict[str, 
             ["GO(0)", *(f"I({i})" for i in range(5))],
             ["GI(0)"],
             {"operator": "index_add_backward"},
+        )
+    ],
+    "ortfx_gelu": [
+        (
+            "ATen",
+            "org.pytorch.aten",
+            ["GO(0)", "I(0)", "I(1)"],
+            ["GI(0)"],
+            {"operator": "ortfx_gelu_backward"},
         )
     ],
     "ortfx_cross_entropy": [

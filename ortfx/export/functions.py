@@ -261,10 +261,10 @@ def pythonop_symbolic(g: Any, *args: Any, **kwargs: Any) -> Any:
         elif grad_in and not traced.type().requires_grad():
             # Eager gives this output no gradient (mark_non_differentiable): a gradient stop,
             # or ORT would differentiate through it.
-            from ortfx.export import symbolics  # TorchScript's: only its exports get here
+            from ortfx.export import routed  # TorchScript's: only its exports get here
 
             value.setType(traced.type())
-            value = symbolics.detach(g, value)
+            value = routed.detach(g, value)
         value.setType(traced.type())
         results.append(value)
     return tuple(results) if len(outputs) > 1 else results[0]

@@ -31,8 +31,8 @@ Registered for the duration of each of ortfx's TorchScript exports only (:func:`
 - ``aten::clamp``/``clamp_min``/``clamp_max`` of float tensors with torch's values and
   gradients at inf, at ties and at NaN (see :func:`_bounded`);
 - the ops :mod:`ortfx.aten` runs by torch inside the graph (``histc``, ``_grouped_mm``,
-  ``ctc_loss``), written as ATen nodes, if the bridge's executor could be installed; and
-  ``detach``, an ATen node whose input edge ORT's gradient builder does not cross.
+  ``ctc_loss``, ``index_add``, ``gelu``, ``detach``), written as ATen nodes by
+  :mod:`ortfx.export.routed`, if the bridge's executor could be installed.
 
 Imported only by the TorchScript export path (it imports torch.onnx's TorchScript modules).
 """
@@ -52,6 +52,12 @@ import torch.onnx.symbolic_opset14 as opset14
 from ortfx import _torch, aten
 from ortfx.errors import OrtfxExportError
 from ortfx.export import indexing
+from ortfx.export.routed import (
+    ATEN_SYMBOLICS,
+    _constant,
+    _detach_without_bridge,
+    _is_none,
+)
 
 # The exporter's own private helpers (looked up through ortfx._torch, which names the torch
 # version if one is gone).
@@ -69,10 +75,6 @@ def _const(g: Any, values: list[int]) -> Any:
 
 def _slice(g: Any, x: Any, start: int, end: int, axis: int) -> Any:
     return g.op("Slice", x, _const(g, [start]), _const(g, [end]), _const(g, [axis]))
-
-
-def _is_none(value: Any) -> bool:
-    return value is None or bool(value.node().mustBeNone())
 
 
 @helper.parse_args("v", "i", "i", "v", "v")
@@ -127,24 +129,6 @@ def cumsum(g: Any, x: Any, dim: int, dtype: Any = None) -> Any:
     if _is_none(dtype) and x.type().scalarType() == "Bool":
         x = g.op("Cast", x, to_i=7)  # TensorProto.INT64
     return opset11.cumsum(g, x, dim, dtype)
-
-
-# ---- ops run by torch inside the graph (ortfx.aten): symbolics that write ATen nodes ---------
-
-
-def _aten_node(g: Any, op: str, inputs: Sequence[Any], like: Any, rank: int | None) -> Any:
-    node = g.op(f"{aten.DOMAIN}::ATen", *inputs, operator_s=op, overload_name_s="")
-    # like's dtype, sizes unknown; rank None: like's own type, sizes included
-    node.setType(like.type() if rank is None else like.type().with_sizes([None] * rank))
-    # ORT cannot infer an ATen node's output type; an intermediate value keeps the type the
-    # exporter records for it, a graph output would lose it in the gradient graph.
-    out = g.op("Identity", node)
-    out.setType(node.type())
-    return out
-
-
-def _constant(g: Any, value: Any, dtype: torch.dtype) -> Any:
-    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
 
 
 def _dtype_of(x: Any) -> torch.dtype:
@@ -441,25 +425,6 @@ def hardshrink(g: Any, x: Any, lambd: float) -> Any:
     return _keep_nan(g, x, opset9.hardshrink(g, x, lambd))
 
 
-def index_add(g: Any, x: Any, dim: Any, index: Any, source: Any, alpha: Any = None) -> Any:
-    """``x.index_add(dim, index, source, alpha=...)`` as an ATen node: the exporter's
-    ``ScatterND`` writes instead of adding where ``index`` repeats (a documented exporter
-    limitation that gave silently wrong sums)."""
-    dim_value = int(_parse_arg(dim, "i"))
-    scale = 1.0 if alpha is None or _is_none(alpha) else float(_parse_arg(alpha, "f"))
-    rank = x.type().dim() if x.type().kind() == "TensorType" else None
-    # ortfx's own node (ortfx.aten._index_add): the additions into zeros of x's shape, then
-    # x added in the graph, so x's gradient is ORT's own.
-    args = [
-        source,
-        g.op("Shape", x),
-        index,
-        _constant(g, dim_value, torch.int64),
-        _constant(g, scale, torch.float32),
-    ]
-    return g.op("Add", x, _aten_node(g, "index_add", args, x, rank if rank is not None else 1))
-
-
 _ONNX_TYPES: Final[dict[torch.dtype, int]] = {
     **_ONNX_FLOATS,
     **_ONNX_INTS,
@@ -490,89 +455,6 @@ def copy(g: Any, x: Any, src: Any, non_blocking: Any = None) -> Any:
 def _dtype_or_none(x: Any) -> torch.dtype | None:
     dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
     return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def _is_floating(x: Any) -> bool:
-    dtype = x.type().dtype() if x.type().kind() == "TensorType" else None
-    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
-
-
-def detach(g: Any, x: Any) -> Any:
-    """``x.detach()`` as an ATen node ORT's gradient builder does not cross (the exporter
-    drops detach, and ORT then differentiated straight through it). Only floating tensors
-    carry gradients; anything else stays as it is."""
-    return _aten_node(g, "detach", [x], x, None) if _is_floating(x) else x
-
-
-def _detach_without_bridge(g: Any, x: Any) -> Any:
-    if _is_floating(x):
-        raise OrtfxExportError(aten.DETACH_NEEDS_BRIDGE)
-    return x
-
-
-@helper.parse_args("v", "i", "f", "f")
-def histc(g: Any, x: Any, bins: int, low: float, high: float) -> Any:
-    """``torch.histc(x, bins, min, max)`` as an ATen node (the output has ``x``'s dtype)."""
-    args = [
-        x,
-        _constant(g, bins, torch.int64),
-        _constant(g, low, torch.float32),
-        _constant(g, high, torch.float32),
-    ]
-    return _aten_node(g, "histc", args, x, 1)
-
-
-GROUPED_MM_ARGUMENTS = (
-    "torch._grouped_mm with bias or out_dtype cannot run inside the ONNX Runtime graph yet; "
-    "ortfx routes _grouped_mm(input, weight, offs) only. Call it without them, or let ortfx "
-    "fall back to PyTorch."
-)
-
-
-def grouped_mm(
-    g: Any, x: Any, weight: Any, offs: Any, bias: Any = None, out_dtype: Any = None
-) -> Any:
-    """``torch._grouped_mm(x [S, K], weight [E, K, N], offs [E])`` -> [S, N] as an ATen node."""
-    if not all(_is_none(v) for v in (bias, out_dtype)) or _is_none(offs):
-        raise RuntimeError(GROUPED_MM_ARGUMENTS)
-    return _aten_node(g, "_grouped_mm", [x, weight, offs], x, 2)
-
-
-@helper.parse_args("v", "v", "v", "v", "i", "i", "b")
-def ctc_loss(
-    g: Any,
-    log_probs: Any,
-    targets: Any,
-    input_lengths: Any,
-    target_lengths: Any,
-    blank: int,
-    reduction: int,
-    zero_infinity: bool,
-) -> Any:
-    """``aten::ctc_loss`` (lengths as lists or tensors) as an ATen node."""
-    args = [
-        log_probs,
-        targets,
-        _lengths(g, input_lengths),
-        _lengths(g, target_lengths),
-        _constant(g, blank, torch.int64),
-        _constant(g, reduction, torch.int64),
-        _constant(g, zero_infinity, torch.bool),
-    ]
-    return _aten_node(g, "ctc_loss", args, log_probs, 0 if reduction else 1)
-
-
-def _lengths(g: Any, lengths: Any) -> Any:
-    return g.op("Cast", lengths, to_i=7)  # TensorProto.INT64; a list arrives as a tensor
-
-
-ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
-    "aten::histc": (histc, 9),
-    "aten::_grouped_mm": (grouped_mm, 9),
-    "aten::ctc_loss": (ctc_loss, 9),
-    "aten::index_add": (index_add, 9),
-    "aten::detach": (detach, 9),
-}
 
 
 def _mean_of_last(g: Any, x: Any) -> Any:

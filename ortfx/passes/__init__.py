@@ -24,6 +24,7 @@ The passes, one family a file:
   three on ORT's gradient model).
 """
 
+from ortfx.passes.activations import tanh_gelu_in_torch
 from ortfx.passes.core import Edit, Pass, chain, graph_pass
 from ortfx.passes.cross_entropy import cross_entropy_in_torch, split_cross_entropy
 from ortfx.passes.dropout import add_dropout_masks, seed_random_nodes, session_seed
@@ -111,6 +112,7 @@ __all__ = [
     "stop_edges_behind_identity",
     "symbolic_shapes",
     "tanh_as_sigmoid",
+    "tanh_gelu_in_torch",
     "user_inputs_first",
     "weights_untransposed",
     "where_gradients_reduce",

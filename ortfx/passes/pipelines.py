@@ -17,6 +17,7 @@ import onnx
 
 from ortfx import aten
 from ortfx.passes import (
+    activations,
     cross_entropy,
     dropout,
     embedding,
@@ -43,6 +44,8 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         workarounds.hard_activations_differentiable,
         workarounds.where_gradients_reduce,
         workarounds.conv1d_grouped_as_2d,
+        # torch's fused GELU for a hand-written tanh GELU, when the bridge can run it
+        *([activations.tanh_gelu_in_torch] if aten.install() else []),
         speed.tanh_as_sigmoid,
         speed.weights_untransposed,
         interface.add_layernorm_stats,
