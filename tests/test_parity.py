@@ -236,7 +236,7 @@ def test_cross_entropy_runs_in_torch_without_a_log_softmax_table() -> None:
         for a in n.attribute
         if a.name == "operator"
     ]
-    assert operators == ["ortfx_cross_entropy"]
+    assert operators.count("ortfx_cross_entropy") == 1
     ops = {n.op_type for n in graph.node}
     assert not ops & {"SoftmaxCrossEntropyLoss", "LogSoftmax", "GatherElements"}
 
