@@ -3,9 +3,7 @@
 
 - ``histc``, ``_grouped_mm``, ``ctc_loss``: no ONNX form;
 - ``index_add``: the exporter's ``ScatterND`` writes instead of adding where the index repeats;
-- ``detach``: an ATen node whose input edge ORT's gradient builder does not cross;
-- ``gelu`` (exact and tanh): torch's fused kernel and its fused gradient, in place of the
-  exporter's elementwise ops (and their gradients, each a pass over the activation).
+- ``detach``: an ATen node whose input edge ORT's gradient builder does not cross.
 
 Registered by :func:`ortfx.export.symbolics.table` for training exports, when the bridge's
 executor could be installed.
@@ -137,24 +135,7 @@ def _lengths(g: Any, lengths: Any) -> Any:
     return g.op("Cast", lengths, to_i=7)  # TensorProto.INT64; a list arrives as a tensor
 
 
-@helper.parse_args("v", "s")
-def gelu(g: Any, x: Any, approximate: str = "none") -> Any:
-    """``F.gelu(x, approximate=...)`` of a floating tensor as an ATen node: torch's fused
-    kernel, and ``gelu_backward`` for its gradient (``ortfx.aten._gelu``)."""
-    if not _is_floating(x) or approximate not in aten.GELU_APPROXIMATIONS:
-        return _torch_gelu(g, x, approximate)
-    code = aten.GELU_APPROXIMATIONS.index(approximate)
-    return _aten_node(g, "ortfx_gelu", [x, _constant(g, code, torch.int64)], x, None)
-
-
-def _torch_gelu(g: Any, x: Any, approximate: str) -> Any:
-    import torch.onnx.symbolic_opset9 as opset9
-
-    return opset9.gelu(g, x, approximate)
-
-
 ATEN_SYMBOLICS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
-    "aten::gelu": (gelu, 9),
     "aten::histc": (histc, 9),
     "aten::_grouped_mm": (grouped_mm, 9),
     "aten::ctc_loss": (ctc_loss, 9),
