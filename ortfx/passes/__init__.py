@@ -59,7 +59,7 @@ from ortfx.passes.pipelines import (
     for_session,
 )
 from ortfx.passes.shapes import READS_GRAPH_SIZES, mark_static_sizes, pin_sizes, symbolic_shapes
-from ortfx.passes.speed import tanh_as_sigmoid, tanh_as_sigmoid_outside_gelu, weights_untransposed
+from ortfx.passes.speed import tanh_as_sigmoid, weights_untransposed
 from ortfx.passes.workarounds import (
     ZERO_DIVISION_GUARD,
     conv1d_grouped_as_2d,
@@ -112,7 +112,6 @@ __all__ = [
     "stop_edges_behind_identity",
     "symbolic_shapes",
     "tanh_as_sigmoid",
-    "tanh_as_sigmoid_outside_gelu",
     "tanh_gelu_in_torch",
     "user_inputs_first",
     "weights_untransposed",

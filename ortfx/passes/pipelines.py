@@ -2,8 +2,7 @@
 
 1. :func:`for_export`, once per export: the exporter's graph made trainable by ORT.
 2. :func:`for_session`, once per ORT training session: what it differentiates, random seeds,
-   the refusal of unsafe gradients, concrete sizes, parameter feeds, a hand-written GELU by
-   torch's kernels (without recompute), symbolic shapes.
+   the refusal of unsafe gradients, concrete sizes, parameter feeds, symbolic shapes.
 3. :func:`for_gradient`, on the gradient model ORT builds for that session: gradient kernels
    run by torch, reductions that never reduce dropped, parameter feeds ordered after their
    readers and (ZeRO-3) gathered per layer.
@@ -45,7 +44,9 @@ def after_export(padding: Mapping[str, int]) -> Pass:
         workarounds.hard_activations_differentiable,
         workarounds.where_gradients_reduce,
         workarounds.conv1d_grouped_as_2d,
-        speed.tanh_as_sigmoid_outside_gelu,
+        # a hand-written tanh GELU by torch's fused kernels, when the bridge can run them
+        *([activations.tanh_gelu_in_torch] if aten.install() else []),
+        speed.tanh_as_sigmoid,
         speed.weights_untransposed,
         interface.add_layernorm_stats,
         # torch's cross-entropy kernels when the bridge can run them, ONNX ops otherwise
@@ -93,12 +94,6 @@ def for_session(
     ]
     if feed_params_through is not None:
         stages.append(feeds.feed_parameters(feed_params_through))
-    # a hand-written tanh GELU: torch's fused kernels, unless ORT's memory optimizer is to
-    # recompute (it cannot recompute an ATen node) or the bridge is missing; else its tanh
-    # through Sigmoid like any other
-    if not symbolic and aten.install():
-        stages.append(activations.tanh_gelu_in_torch)
-    stages.append(speed.tanh_as_sigmoid)
     if symbolic:
         stages.append(shapes.symbolic_shapes)
     return chain(*stages)

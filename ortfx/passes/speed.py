@@ -19,22 +19,8 @@ def tanh_as_sigmoid(model: onnx.ModelProto) -> bool:
     is several times slower than the unfused elementwise ops; without a ``Tanh`` the fusion
     does not match. Only tensors shape inference types as float32 are rewritten.
     """
-    return _tanh_as_sigmoid(model, skip_gelu=False)
-
-
-@graph_pass
-def tanh_as_sigmoid_outside_gelu(model: onnx.ModelProto) -> bool:
-    """:func:`tanh_as_sigmoid` for every ``Tanh`` but a hand-written GELU's, which the session
-    pipeline decides on (:mod:`ortfx.passes.activations`)."""
-    return _tanh_as_sigmoid(model, skip_gelu=True)
-
-
-def _tanh_as_sigmoid(model: onnx.ModelProto, *, skip_gelu: bool) -> bool:
-    from ortfx.passes.activations import gelu_tanhs
-
     if not any(is_standard(n, "Tanh") for n in model.graph.node):
         return False
-    skipped = gelu_tanhs(model) if skip_gelu else set()
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     floats = {
         v.name
@@ -45,7 +31,7 @@ def _tanh_as_sigmoid(model: onnx.ModelProto, *, skip_gelu: bool) -> bool:
     nodes: list[onnx.NodeProto] = []
     changed = False
     for i, node in enumerate(model.graph.node):
-        if not (is_standard(node, "Tanh") and node.input[0] in floats) or node.output[0] in skipped:
+        if not (is_standard(node, "Tanh") and node.input[0] in floats):
             nodes.append(node)
             continue
         tag = f"{node.name or f'Tanh_{i}'}_as_sigmoid"
