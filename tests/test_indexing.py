@@ -118,6 +118,25 @@ def test_out_of_bounds_index_raises_like_pytorch(name: str, mode: str) -> None:
     assert stats.fallback_calls == 0
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_one_hot_infers_the_class_count(mode: str) -> None:
+    """``F.one_hot(i)`` without ``num_classes`` has ``max(i) + 1`` classes, a count that follows
+    each call's indices (ONNX's OneHot takes no -1); a negative index raises PyTorch's error."""
+    model = Indexed(lambda x, i: F.one_hot(i[:, 0]).float().sum(0) * x.sum())
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    getattr(model, mode)()
+    getattr(wrapped, mode)()
+    x = torch.randn(4, 5)
+    for index in (GOOD, GOOD.clamp(max=2), _with(7)):
+        out, expected = wrapped(x, index), model(x, index)
+        assert out.shape == expected.shape
+        assert max_diff(out, expected) <= 1e-6
+    error = _eager_error(model, x, _with(-1))
+    with pytest.raises(type(error), match=re.escape(str(error).splitlines()[0])):
+        wrapped(x, _with(-1))
+    assert ortfx.stats(wrapped).fallback_calls == 0
+
+
 def test_negative_indices_torch_allows_still_wrap() -> None:
     """Tensor indexing takes -1 as the last row in PyTorch: no check there."""
     model = Indexed(lambda x, i: x[i[0]].sum() + x[:, i[:, 0]])

@@ -225,6 +225,10 @@ def one_hot(g: Any, indices: Any, num_classes: Any) -> Any:
     classes = helper._maybe_get_const(num_classes, "i")
     if isinstance(classes, int) and classes < 0:  # inferred as max + 1: only negatives are out
         checked = nonnegative(g, indices)
+        # ONNX's OneHot takes no -1 for the depth: max + 1, as PyTorch infers it
+        largest = g.op("ReduceMax", g.op("Cast", checked, to_i=_INT64), keepdims_i=0)
+        depth = g.op("Add", largest, _int64(g, 1))
+        return _stock("one_hot", g.opset)(g, checked, depth)
     else:
         dynamic = not isinstance(classes, int)
         size = g.op("Cast", num_classes, to_i=_INT64) if dynamic else _int64(g, classes)
