@@ -33,7 +33,8 @@ def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
 
 def _float_losses(model: onnx.ModelProto) -> dict[int, int]:
     """Index -> rank of the scores, for each SoftmaxCrossEntropyLoss without class weights
-    whose scores shape inference types as float32 (rank -1 when unknown)."""
+    whose scores shape inference types as float32 and whose labels as int32/int64 class
+    indices (rank -1 when unknown)."""
     candidates = [
         i
         for i, n in enumerate(model.graph.node)
@@ -46,7 +47,9 @@ def _float_losses(model: onnx.ModelProto) -> dict[int, int]:
     found = {}
     for i in candidates:
         scores = types.get(model.graph.node[i].input[0])
-        if scores is not None and scores.elem_type == _F32:
+        labels = types.get(model.graph.node[i].input[1])
+        integer = labels is not None and labels.elem_type in (_I64, onnx.TensorProto.INT32)
+        if scores is not None and scores.elem_type == _F32 and integer:
             found[i] = len(scores.shape.dim) if scores.HasField("shape") else -1
     return found
 
