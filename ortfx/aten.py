@@ -1,13 +1,14 @@
-"""Torch ops neither exporter can express, run by torch inside the ORT graph (ORT's ATen node).
+"""Torch ops run by torch inside the ORT graph (ORT's ATen node): ops neither exporter can
+express, and a few whose ORT CPU kernels are slower or keep more memory than torch's (the
+cross-entropy, a hand-written tanh GELU, some gradients).
 
 The TorchScript exporter writes a routed op as an ``org.pytorch.aten::ATen`` node (attributes
 ``operator`` and ``overload_name``; every argument an input, scalars as constants; the symbolics
-are in :mod:`ortfx.symbolics`). ORT runs such
-a node through the executor registered once per process (``register_aten_op_executor``): two
-plain-C functions in ``ortfx._bridge`` that call :func:`is_tensor_argument` and :func:`execute`
-here. Each routed op's argument kinds are listed in :data:`ROUTED`, so no torch schema lookup is
-needed. Routed ops are not differentiable here: ORT builds no gradient through them (``histc``
-counts; its input never requires grad in the models that use it).
+are in :mod:`ortfx.export.routed`), or a graph pass does. ORT runs such a node through the
+executor registered once per process (``register_aten_op_executor``): two plain-C functions in
+``ortfx._bridge`` that call :func:`is_tensor_argument` and :func:`execute` here. Each routed
+op's argument kinds are listed in :data:`ROUTED`, so no torch schema lookup is needed. A
+differentiable one has its gradient in :data:`GRADIENTS` (routed ops too); the others get none.
 """
 
 from __future__ import annotations
@@ -191,11 +192,11 @@ def _cross_entropy_backward(
     return out.reshape(scores.shape)
 
 
-GELU_APPROXIMATIONS: Final = ("none", "tanh")
+GELU_APPROXIMATIONS: Final = ("none", "tanh")  # the int argument of ortfx_gelu
 
 
 def _gelu(x: torch.Tensor, approximate: int) -> torch.Tensor:
-    """torch's fused GELU (``export.routed.gelu``, ``passes.tanh_gelu_in_torch``)."""
+    """torch's fused GELU (``passes.tanh_gelu_in_torch``)."""
     mode = GELU_APPROXIMATIONS[approximate]
     return torch.nn.functional.gelu(x, approximate=mode)
 
@@ -233,7 +234,7 @@ ROUTED: Final[dict[tuple[str, str], Routed]] = {
     # index_add with repeated indices: ONNX ScatterND writes, torch adds
     ("index_add", ""): Routed(_index_add, _INDEX_ADD),
     ("index_add_backward", ""): Routed(_index_add_backward, ("tensor", *_INDEX_ADD)),
-    # GELU (exact or tanh) by torch's fused kernels, forward and gradient
+    # GELU by torch's fused kernels, forward and gradient (passes.tanh_gelu_in_torch)
     ("ortfx_gelu", ""): Routed(_gelu, ("tensor", "int")),
     ("ortfx_gelu_backward", ""): Routed(_gelu_backward, ("tensor", "tensor", "int")),
     # float32 cross-entropy without a log-softmax table (forward pass, cross_entropy_in_torch)

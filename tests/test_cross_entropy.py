@@ -186,3 +186,24 @@ def test_hugging_face_lm_loss_and_logits(
         assert max_diff(p.grad, q.grad) <= 1e-5, path
     # the fed gradient: the scalar zero of an unused output, or the logits' full gradient
     assert extras == [1, 1] if not logits_in_loss else extras == [2 * 16 * 64] * 2
+
+
+def test_probability_targets_keep_orts_form() -> None:
+    """Class probabilities as targets (float [N, C]) are no class indices: the pass leaves such
+    a SoftmaxCrossEntropyLoss as it is (torch's kernel here reads class indices only)."""
+    from ortfx import passes
+
+    h, f32 = onnx.helper, onnx.TensorProto.FLOAT
+    graph = h.make_graph(
+        [h.make_node("SoftmaxCrossEntropyLoss", ["scores", "targets"], ["loss"])],
+        "g",
+        [h.make_tensor_value_info(n, f32, [4, 5]) for n in ("scores", "targets")],
+        [h.make_tensor_value_info("loss", f32, [])],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    before = model.SerializeToString()
+    assert passes.cross_entropy_in_torch.edit(model) is False  # type: ignore[attr-defined]
+    assert model.SerializeToString() == before
+    labels = h.make_tensor_value_info("targets", onnx.TensorProto.INT64, [4])
+    model.graph.input[1].CopyFrom(labels)  # class indices: rewritten
+    assert passes.cross_entropy_in_torch.edit(model) is True  # type: ignore[attr-defined]

@@ -161,10 +161,10 @@ def scatter_reduce(
     """``Tensor.scatter_reduce``: ``"sum"`` with the input included as :func:`scatter_add`,
     the others as the exporter writes them (ORT cannot differentiate those correctly: the
     session pipeline refuses their gradients, ``passes.refuse_unsafe_gradients``)."""
-    checked = nonnegative(g, index)
     how = helper._maybe_get_const(reduce, "s")
     if how == "sum" and helper._maybe_get_const(include_self, "b") is True:
-        return scatter_add(g, x, dim, index, src)
+        return scatter_add(g, x, dim, index, src)  # checks the index itself
+    checked = nonnegative(g, index)
     return _stock("scatter_reduce", g.opset)(g, x, dim, checked, src, reduce, include_self)
 
 
