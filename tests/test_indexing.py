@@ -10,7 +10,8 @@ text, the graph is not exported again, and the next good call still gives eager'
 Accumulation: writes that add at repeated indices (scatter_add, scatter_reduce("sum"),
 index_put(accumulate=True)) give eager's values and gradients (1e-5), for the written tensor
 and for the updates; reducing scatters ORT would differentiate wrongly are refused with a typed
-error; below opset 16 an accumulating write is refused at export."""
+error; below opset 16 an accumulating write is refused at export. A scatter source larger than
+its index falls back when it needs a gradient, so PyTorch's backward raises as in eager."""
 
 from __future__ import annotations
 
@@ -255,3 +256,59 @@ def test_accumulating_write_below_opset_16_is_refused(name: str) -> None:
         ),
     ):
         wrapped(torch.randn(4, 5))
+
+
+class LargerSource(nn.Module):
+    """A scatter whose source (a parameter) is larger than the index."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.x, self.src = nn.Parameter(torch.randn(4, 5)), nn.Parameter(torch.randn(4, 5))
+        self.how = how
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        if self.how == "scatter":
+            return self.x.scatter(1, index, self.src)
+        if self.how == "scatter_add":
+            return self.x.scatter_add(1, index, self.src)
+        return self.x.scatter_reduce(1, index, self.src, "sum")
+
+
+@pytest.mark.parametrize("how", ["scatter", "scatter_add", "scatter_reduce"])
+def test_source_larger_than_index_raises_in_backward_like_pytorch(how: str) -> None:
+    """PyTorch writes the first index.shape elements of a larger source, and its backward then
+    raises (an invalid gradient for the source); the exporter's form trained on silently. Such
+    a call fails its run in ORT and falls back to PyTorch (a typed error when fallback is off):
+    eager's values, then eager's error in the backward; an index of the source's shape, and
+    calls without gradients, give eager's values and gradients (1e-6 / 1e-5)."""
+    torch.manual_seed(0)
+    model = LargerSource(how)
+    strict = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    small = torch.tensor([[0, 1], [2, 3], [4, 0], [1, 1]])
+    with pytest.raises(ortfx.OrtfxRuntimeError, match="ONNX Runtime failed to run the forward"):
+        strict(small)
+    wrapped = ortfx.ORTModule(copy.deepcopy(model))
+    full = torch.tensor([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [0, 0, 1, 1, 2], [1, 2, 3, 4, 0]])
+    if how == "scatter":  # a plain scatter keeps one of repeated writes: unique per row
+        full = torch.stack([torch.randperm(5) for _ in range(4)])
+    expected = model(small)
+    with pytest.raises(RuntimeError) as raised:
+        expected.sum().backward()
+    out = wrapped(small)
+    assert max_diff(out, expected) <= 1e-6
+    with pytest.raises(RuntimeError, match=re.escape(str(raised.value))):
+        out.sum().backward()
+    for index in (full, full.flip(0)):
+        out, expected = wrapped(index), model(index)
+        assert max_diff(out, expected) <= 1e-6
+        out.sum().backward()
+        expected.sum().backward()
+    for (path, a), b in zip(wrapped.named_parameters(), model.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None, path
+        assert max_diff(a.grad, b.grad) <= 1e-5, path
+    with torch.no_grad():
+        assert max_diff(wrapped(small), model(small)) <= 1e-6
+    stats = ortfx.stats(wrapped)
+    # The fallback holds for the input schema (dynamic sizes: every index above); the call
+    # without gradients is a schema of its own and runs in ORT.
+    assert (stats.exports, stats.fallback_calls) == (1, 3), stats

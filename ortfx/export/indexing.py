@@ -23,6 +23,10 @@ added ``v[1]`` alone, silently); at opset 16 and above it writes ``scatter_add``
 reducing scatter into zeros plus the input (both values and gradients PyTorch's); below opset 16,
 where ONNX has no reducing scatter, the export is refused.
 
+A scatter's source larger than its index: PyTorch writes the first ``index.shape`` elements, and
+its backward then raises for a source that needs a gradient; the exporter's slice of the source
+trained on. A check fails such a run, so the call falls back and PyTorch raises in its backward.
+
 Registered with the other symbolics of :mod:`ortfx.export.symbolics`, for ortfx's exports only.
 """
 
@@ -123,9 +127,27 @@ def gather(g: Any, x: Any, dim: Any, index: Any, *rest: Any) -> Any:
     return _stock("gather", g.opset)(g, x, dim, nonnegative(g, index), *rest)
 
 
-def scatter(g: Any, x: Any, dim: Any, index: Any, *rest: Any) -> Any:
-    """``Tensor.scatter`` (tensor or scalar source): ``ScatterElements`` wraps a negative index."""
-    return _stock("scatter", g.opset)(g, x, dim, nonnegative(g, index), *rest)
+def scatter(g: Any, x: Any, dim: Any, index: Any, src: Any, *rest: Any) -> Any:
+    """``Tensor.scatter`` (tensor or scalar source): ``ScatterElements`` wraps a negative index
+    and takes no source larger than the index (PyTorch writes its first ``index.shape``
+    elements, as the exporter's ``scatter_add`` does)."""
+    checked = nonnegative(g, index)
+    if helper._is_value(src) and helper._is_tensor(src) and not _is_constant(src):
+        checked = _src_as_large_as_index(g, checked, src)
+        rank = _tensor_rank(index)
+        if rank is not None and _tensor_rank(src) == rank and not _same_sizes(index, src):
+            src = g.op("Slice", src, _int64(g, [0] * rank), g.op("Shape", checked))
+    return _stock("scatter", g.opset)(g, x, dim, checked, src, *rest)
+
+
+def _is_constant(value: Any) -> bool:
+    return value.node().kind() in ("onnx::Constant", "prim::Constant")
+
+
+def _same_sizes(a: Any, b: Any) -> bool:
+    """Whether the graph knows both sizes and they are equal."""
+    sizes = helper._get_tensor_sizes(a)
+    return sizes is not None and None not in sizes and sizes == helper._get_tensor_sizes(b)
 
 
 ACCUMULATION_NEEDS_OPSET_16 = (
@@ -148,9 +170,21 @@ def _accumulating(g: Any, op: str) -> None:
         raise OrtfxExportError(ACCUMULATION_NEEDS_OPSET_16.format(op=op, opset=g.opset))
 
 
+def _src_as_large_as_index(g: Any, index: Any, src: Any) -> Any:
+    """``index``, with a check that fails the run if ``src`` is larger than ``index`` while
+    gradients flow to it. PyTorch takes the first ``index.shape`` elements of a larger ``src``,
+    but its backward then raises ("ScatterAddBackward0 returned an invalid gradient"), where
+    the exporter's form (a slice of ``src``) would train on; the shell repeats PyTorch's
+    error. A ``src`` without gradients (and any call without them) runs as exported."""
+    if not (torch.is_grad_enabled() and src.requiresGrad()) or _same_sizes(index, src):
+        return index
+    differ = g.op("Not", g.op("Equal", g.op("Shape", src), g.op("Shape", index)))
+    return _plus(g, index, _zero_unless(g, differ))
+
+
 def scatter_add(g: Any, x: Any, dim: Any, index: Any, src: Any) -> Any:
     """``Tensor.scatter_add``: ``x`` plus a reducing scatter into zeros (module docstring)."""
-    checked = nonnegative(g, index)
+    checked = _src_as_large_as_index(g, nonnegative(g, index), src)
     _accumulating(g, "Tensor.scatter_add")
     return g.op("Add", x, _stock("scatter_add", g.opset)(g, _zeros_like(g, x), dim, checked, src))
 
