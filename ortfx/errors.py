@@ -218,6 +218,12 @@ VALUE_DEPENDENT_CONTROL_FLOW = (
     "differentiate, and ORT 1.19's gradient builder aborts the process on it"
 )
 
+NO_LOOP_GRADIENT = (
+    "ORT 1.19 has no gradient for a {op} (torch exports e.g. F.embedding_bag and nn.EmbeddingBag "
+    "with one): its gradient builder raises, or aborts the process when the loop's body reads "
+    "a value computed outside it"
+)
+
 WRONG_AVERAGE_POOL_3D = (
     "its CPU gradient kernel for a 3-d window (AveragePoolGrad) computes wrong gradients: "
     "measured against PyTorch for nn.AvgPool3d and nn.LocalResponseNorm, which torch exports "

@@ -53,6 +53,19 @@ def _conv(rank: int, c_in: int, c_out: int, *, bias: bool = True) -> nn.Module:
     return (nn.Conv1d, nn.Conv2d, nn.Conv3d)[rank - 1](c_in, c_out, 1, bias=bias)
 
 
+class _BagOfComputedTable(nn.Module):
+    """``F.embedding_bag`` on a table the forward computes: the exported Loop's body reads a
+    value from outside it (ORT 1.19's gradient builder aborted the process on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(11, 6))
+        self.mix = nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding_bag(ids, self.mix(self.table), mode="sum")
+
+
 class _First(nn.Module):
     """Keeps the first output of a layer that returns a tuple (RNNs)."""
 
@@ -137,6 +150,7 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Make]]] = {
     # embeddings
     "Embedding": lambda: (nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 2)), _ids(11)),
     "EmbeddingBag": lambda: (nn.EmbeddingBag(11, 6, mode="mean"), _ids(11)),
+    "embedding_bag-computed-table": lambda: (_BagOfComputedTable(), _ids(11)),
     # recurrent
     "RNN": lambda: (_First(nn.RNN(6, 5, batch_first=True)), _seq(6)),
     "LSTM": lambda: (_First(nn.LSTM(6, 5, batch_first=True)), _seq(6)),

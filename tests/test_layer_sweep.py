@@ -43,6 +43,7 @@ UNSUPPORTED = {
     "PixelShuffle": "DepthToSpace",
     "LocalResponseNorm": "AveragePool",
     "EmbeddingBag": "Loop",
+    "embedding_bag-computed-table": "Loop",
     "RNN": "RNN",
     "LSTM-2layer-bidir": "LSTM",
 }

@@ -270,6 +270,13 @@ def one_hot(g: Any, indices: Any, num_classes: Any) -> Any:
     return _stock("one_hot", g.opset)(g, checked, num_classes)
 
 
+def embedding_bag(g: Any, weight: Any, indices: Any, *rest: Any) -> Any:
+    """``F.embedding_bag`` / ``nn.EmbeddingBag``: the ``Gather`` in the exporter's loop takes
+    an index of -1 as the last row; PyTorch raises for an index outside ``[0, rows)``."""
+    checked = _within(g, indices, _size(g, weight, 0))
+    return _stock("embedding_bag", g.opset)(g, weight, checked, *rest)
+
+
 def _checked_target(g: Any, scores: Any, target: Any, ignore_index: Any) -> Any:
     """A loss target whose classes (other than ``ignore_index``) must be in ``[0, C)``, ``C``
     the scores' class dimension (dim 1, or dim 0 for unbatched scores)."""
@@ -295,6 +302,7 @@ def _loss(name: str) -> Callable[..., Any]:
 
 INDEX_CHECKS: Final[dict[str, tuple[Callable[..., Any], int]]] = {
     "aten::gather": (gather, 9),
+    "aten::embedding_bag": (embedding_bag, 9),
     "aten::scatter": (scatter, 9),
     "aten::scatter_add": (scatter_add, 9),
     "aten::scatter_reduce": (scatter_reduce, 16),

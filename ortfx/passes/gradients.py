@@ -7,6 +7,7 @@ import attrs
 import onnx
 
 from ortfx.errors import (
+    NO_LOOP_GRADIENT,
     UNSUPPORTED_OP,
     VALUE_DEPENDENT_CONTROL_FLOW,
     WRONG_AVERAGE_POOL_3D,
@@ -48,7 +49,10 @@ def _unsupported(node: onnx.NodeProto, detail: str) -> OrtfxUnsupportedOpError:
 def refuse_unsafe_gradients(info: PostExportProcessedModelInfo) -> PostExportProcessedModelInfo:
     """Raise :class:`~ortfx.errors.OrtfxUnsupportedOpError` before ORT builds a gradient that
     would kill the process or be wrong, for nodes on the differentiated path: an ``If`` whose
-    condition depends on tensor values (ORT 1.19's gradient builder aborts) and a 3-d
+    condition depends on tensor values (ORT 1.19's gradient builder aborts), a ``Loop`` or
+    ``Scan`` (ORT 1.19 has no gradient for either: its builder raises, or aborts the process
+    when the body reads a value computed outside it, as ``F.embedding_bag`` on a computed
+    table exports), and a 3-d
     ``AveragePool`` (its CPU gradient kernel computes wrong values; torch exports
     ``nn.AvgPool3d`` and ``nn.LocalResponseNorm`` with it), found by tests/test_layer_sweep;
     and a reducing ``ScatterElements``/``ScatterND`` whose gradient ORT builds as if it did
@@ -64,6 +68,8 @@ def refuse_unsafe_gradients(info: PostExportProcessedModelInfo) -> PostExportPro
             continue
         if is_standard(node, "If") and node.input[0] in values:
             raise _unsupported(node, VALUE_DEPENDENT_CONTROL_FLOW.format(node=node.name or "If"))
+        if is_standard(node, "Loop") or is_standard(node, "Scan"):
+            raise _unsupported(node, NO_LOOP_GRADIENT.format(op=node.op_type))
         kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), [])
         if is_standard(node, "AveragePool") and len(kernel) == 3:
             raise _unsupported(node, WRONG_AVERAGE_POOL_3D)
