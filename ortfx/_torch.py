@@ -409,6 +409,7 @@ def symbolics_registered(table: Sequence[tuple[str, Callable[..., Any], int]]) -
     """
     register: Any = torch.onnx.register_custom_op_symbolic  # type: ignore[attr-defined]
     unregister: Any = torch.onnx.unregister_custom_op_symbolic  # type: ignore[attr-defined]
+    _torchs_symbolics_registered()
     tables = getattr(_symbolic_registry(), "_registry", None)
     undo: list[Callable[[], None]] = []
     try:
@@ -419,6 +420,29 @@ def symbolics_registered(table: Sequence[tuple[str, Callable[..., Any], int]]) -
     finally:
         for step in reversed(undo):
             step()
+
+
+def _torchs_symbolics_registered() -> None:
+    """Import torch's own symbolic modules, as its first export does: torch fills its registry
+    lazily, and a name ortfx registered before that would be taken for one ortfx introduced
+    (its undo then removed torch's own symbolics with ortfx's: a user's later export of
+    ``F.cross_entropy`` failed)."""
+    trigger = None
+    for name in (
+        "torch.onnx._internal.torchscript_exporter.utils",
+        "torch.onnx.utils",
+    ):
+        try:
+            trigger = importlib.import_module(name)._trigger_symbolic_function_registration
+            break
+        except (ImportError, AttributeError):
+            continue
+    if trigger is not None:
+        trigger()
+        return
+    for version in range(7, 26):  # a torch without the trigger: its modules by name
+        with contextlib.suppress(ImportError):
+            importlib.import_module(f"torch.onnx.symbolic_opset{version}")
 
 
 def _undo_registration(

@@ -43,6 +43,7 @@ def _x(*shape: int) -> torch.Tensor:
 
 # One user model per op ortfx writes its own way (every TorchScript symbolic ortfx registers
 # for its exports, and the PythonOp of a custom Function): name -> (model, inputs).
+torch.manual_seed(0)  # the same weights in every worker process (tests compare their bytes)
 USER_MODELS: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]] = {
     "diff": (_Op(lambda m, x: torch.diff(x, dim=-1)), (_x(2, 5),)),
     "cumsum_bool": (_Op(lambda m, x: torch.cumsum(x > 0, dim=-1)), (_x(2, 5),)),
@@ -79,6 +80,16 @@ USER_MODELS: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]] = {
         (_x(3, 4), _x(2, 4)),
     ),
     "detach": (_Op(lambda m, x: m.parts[0](x).detach() * 2, nn.Linear(5, 5)), (_x(2, 5),)),
+    "cross_entropy": (
+        _Op(lambda m, x, y: F.cross_entropy(x, y)),
+        (_x(3, 5), torch.tensor([0, 4, 2])),
+    ),
+    "gather": (_Op(lambda m, x, i: torch.gather(x, 1, i)), (_x(2, 5), torch.tensor([[0], [4]]))),
+    "scatter_reduce": (
+        _Op(lambda m, x, s: x.scatter_reduce(1, torch.tensor([[0, 0]]), s, "sum")),
+        (_x(1, 5), _x(1, 2)),
+    ),
+    "one_hot": (_Op(lambda m, i: F.one_hot(i, 5)), (torch.tensor([0, 4, 2]),)),
     "custom_function": (_Op(lambda m, x: Scale.apply(m.parts[0](x)), nn.Linear(5, 5)), (_x(2, 5),)),
 }
 
@@ -168,6 +179,15 @@ def user_export() -> None:
             }
         )
     )
+
+
+def _fresh(train_first: bool) -> None:
+    """A fresh process (torch's symbolic registry not yet filled, as torch fills it on its
+    first export): optionally ortfx trains first, then the user exports every model."""
+    if train_first:
+        _train_with_ortfx()
+    exported = {name: _user_export(name) for name in USER_MODELS}
+    print(json.dumps({"exported": exported, "registry": _registry()}))
 
 
 # ---- the process around an export: what another thread sees -----------------------------------
@@ -437,6 +457,8 @@ def first_wrappers_at_once() -> None:
 if __name__ == "__main__":
     {
         "user_export": user_export,
+        "torch_only": lambda: _fresh(train_first=False),
+        "ortfx_first": lambda: _fresh(train_first=True),
         "during_export": during_export,
         "short_runs": short_runs,
         "first_wrappers_at_once": first_wrappers_at_once,

@@ -64,6 +64,25 @@ def test_a_users_onnx_export_is_torchs_own_before_and_after_ortfx() -> None:
             assert loads == "loads", (name, loads)
 
 
+def test_ortfx_before_any_export_leaves_torchs_registry_whole() -> None:
+    """torch fills its symbolic registry on its first export. When ortfx's export is the
+    process's first, the user's exports afterwards give the bytes (or errors) of a process
+    that never imported ortfx, and the registry is that process's (ortfx once took torch's
+    own cross-entropy, nll_loss and scatter_reduce symbolics away with its own)."""
+    torch_only, ortfx_first = _worker("torch_only"), _worker("ortfx_first")
+    assert torch_only["exported"]["cross_entropy"][0] == "ok"
+    differ = sorted(
+        n for n in torch_only["exported"] if torch_only["exported"][n] != ortfx_first["exported"][n]
+    )
+    assert differ == []
+    registry_diff = sorted(
+        k
+        for k in set(torch_only["registry"]) | set(ortfx_first["registry"])
+        if torch_only["registry"].get(k) != ortfx_first["registry"].get(k)
+    )
+    assert registry_diff == []
+
+
 def test_another_thread_sees_torchs_own_process_while_ortfx_exports() -> None:
     """While one thread is inside ortfx's export, another thread sees torch's own Tensor
     attributes, grad-mode functions, Module.__setattr__, RemovableHandle.remove and F.linear,
