@@ -338,3 +338,66 @@ def test_writes_through_aliases_fall_back_loudly_and_leave_state_as_eager(how: s
     shown = ".data" if how == "data" else f"{how}()"
     with pytest.raises(ortfx.OrtfxExportError, match=f"in place through {re.escape(shown)}"):
         strict(torch.randn(5, 4))
+
+
+class Heads(nn.Module):
+    """Two heads over a shared body, a size read from a third, and an input scaled alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head_a, self.head_b = nn.Linear(4, 2), nn.Linear(4, 2)
+        self.sizer = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.relu(self.body(x))
+        width = (self.sizer(x).argmax(-1) > 0).float()  # no gradient reaches sizer
+        return self.head_a(h) * (1 + 0 * width[:, None]), self.head_b(h), y * 2
+
+
+@pytest.mark.parametrize("memgrad", [False, True])
+def test_what_only_unused_outputs_reach_gets_no_gradient_as_eager(memgrad: bool) -> None:
+    """Eager leaves .grad None on what only outputs without a gradient reach (a head the loss
+    does not use, an input scaled into an unused output, a layer read only through argmax),
+    and an optimizer then leaves those parameters alone; ortfx handed them zeros, so AdamW's
+    weight decay and momentum moved them. Parameters (1e-6), .grad None-ness, and
+    autograd.grad(allow_unused=True) as eager, with memory-efficient gradients too."""
+    torch.manual_seed(0)
+    model = Heads()
+    options = ortfx.Options(
+        fallback_policy=ortfx.FallbackPolicy.DISABLE,
+        enable_mem_efficient_grad_management=memgrad,
+    )
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=options)
+    runs = []
+    inputs = torch.randn(8, 4), torch.randn(8)
+    for module in (model, wrapped):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, weight_decay=0.1)
+        x, y = inputs[0], inputs[1].clone().requires_grad_()
+        for step in range(3):
+            optimizer.zero_grad()
+            a, b, _ = module(x, y)
+            (a.pow(2).mean() if step < 2 else (a.sum() + b.sum())).backward()
+            if step < 2:
+                optimizer.step()
+        runs.append(
+            (
+                {n: p.grad is None for n, p in module.named_parameters()},
+                [p.detach().clone() for p in module.parameters()],
+                y.grad,
+            )
+        )
+    (none_eager, params_eager, y_eager), (none_ours, params_ours, y_ours) = runs
+    assert none_ours == none_eager
+    assert none_eager["head_b.weight"] is False and none_eager["sizer.weight"] is True
+    assert y_eager is None and y_ours is None
+    for ours, eager in zip(params_ours, params_eager, strict=True):
+        assert max_diff(ours, eager) <= 1e-6
+    if not memgrad:  # autograd.grad asks for chosen tensors only, which memgrad refuses
+        x = torch.randn(8, 4)
+        for module in (model, wrapped):
+            a, _, _ = module(x, torch.randn(8))
+            found = torch.autograd.grad(
+                a.sum(), [module.head_a.weight, module.head_b.weight], allow_unused=True
+            )
+            assert found[0] is not None and found[1] is None

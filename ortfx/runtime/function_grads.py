@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import onnx
@@ -143,6 +143,22 @@ class _Graph:
     fed: dict[int, str]  # parameter index -> the value its feed node gives ORT (memgrad)
 
 
+# Standard ops whose outputs carry no gradient to any input: sizes, comparisons, logic and
+# index-valued results (an integer Cast too, below).
+_NO_GRADIENT: Final = frozenset(
+    {
+        "Shape", "Size", "ArgMax", "ArgMin", "NonZero", "Equal", "Less", "LessOrEqual",
+        "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf",
+    }
+)  # fmt: skip
+_FLOATS: Final = frozenset(
+    {
+        onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+    }
+)  # fmt: skip
+
+
 @functools.lru_cache(maxsize=8)  # bytes cache their hash: a repeated lookup is cheap
 def _graph(model: bytes) -> _Graph:
     graph = onnx.load_model_from_string(model).graph
@@ -153,6 +169,11 @@ def _graph(model: bytes) -> _Graph:
         stopped: frozenset[int] = frozenset()
         if node.op_type == "ATen" and node.domain == aten.DOMAIN:
             stopped = frozenset(aten.STOP_GRADIENT.get(attributes["operator"].decode(), ()))
+        elif node.domain in ("", "ai.onnx") and (
+            node.op_type in _NO_GRADIENT
+            or (node.op_type == "Cast" and attributes.get("to") not in _FLOATS)
+        ):
+            stopped = frozenset(range(len(node.input)))
         number: int | None = None
         positions: tuple[int, ...] = ()
         if node.op_type == "PythonOp" and node.domain == "com.microsoft":
@@ -171,20 +192,41 @@ def fed_value(model: bytes, index: int) -> str:
 
 
 def no_gradient_inputs(
-    model: bytes, cut: Iterable[tuple[int, int]], names: Iterable[str]
+    model: bytes,
+    cut: Iterable[tuple[int, int]],
+    names: Iterable[str],
+    seeded: Iterable[str] | None = None,
 ) -> frozenset[str]:
     """Which of the graph inputs (or fed values) ``names`` get no gradient at all, eager's
-    ``None``, when the PythonOp backwards ``cut`` (node number, apply() position) gave none.
+    ``None``, when the PythonOp backwards ``cut`` (node number, apply() position) gave none
+    and only the graph outputs ``seeded`` (all of them when None) got a gradient.
 
     Eager PyTorch's engine passes "no gradient" on: an op whose outputs all got none gives
-    none to its inputs. A custom Function's backward runs whenever its node is reached (with
-    zeros for the missing grads, by default), so only the inputs it returned None for get
-    none from it.
+    none to its inputs, and a tensor from which no output that got a gradient is computed
+    (a head whose output the loss does not use) gets none. A custom Function's backward runs
+    whenever its node is reached (with zeros for the missing grads, by default), so only the
+    inputs it returned None for get none from it. Sizes, comparisons and integer casts
+    carry no gradient (in eager they are Python numbers or tensors without ``grad_fn``).
     """
+    return _no_gradient_inputs(
+        model,
+        frozenset(cut),
+        tuple(names),
+        None if seeded is None else frozenset(seeded),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _no_gradient_inputs(
+    model: bytes,
+    cut: frozenset[tuple[int, int]],
+    names: tuple[str, ...],
+    seeded: frozenset[str] | None,
+) -> frozenset[str]:
     graph = _graph(model)
-    nodes, outputs = graph.nodes, graph.outputs
-    cut = set(cut)
-    reached = set(outputs)  # has a path to an output
+    nodes = graph.nodes
+    outputs = graph.outputs if seeded is None else seeded
+    reached = set(outputs)  # has a path to an output that got a gradient
     given = set(outputs)  # ... and gets a gradient along it
     for node in reversed(nodes):  # ONNX orders nodes topologically
         runs = any(o in reached for o in node.outputs)

@@ -393,29 +393,34 @@ def _no_gradient_as_zeros(
 
 
 @contextlib.contextmanager
-def recording_no_gradient(model: bytes) -> Iterator[list[tuple[int, int]]]:
+def recording_no_gradient(
+    model: bytes, seeded: Sequence[str] | None = None
+) -> Iterator[list[tuple[int, int]]]:
     """Collect, during an ORT backward of ``model`` on this thread, the (node number, apply()
     position) pairs whose Function's backward gave no gradient for an input that requires
-    grad."""
-    before = getattr(_LOCAL, "no_gradient", None), getattr(_LOCAL, "model", None)
+    grad; ``seeded``: the graph outputs that got a gradient, when not all did."""
+    names = ("no_gradient", "model", "seeded")
+    before = tuple(getattr(_LOCAL, name, None) for name in names)
     cut: list[tuple[int, int]] = []
-    _LOCAL.no_gradient, _LOCAL.model = cut, model
+    _LOCAL.no_gradient, _LOCAL.model, _LOCAL.seeded = cut, model, seeded
     try:
         yield cut
     finally:
-        _LOCAL.no_gradient, _LOCAL.model = before
+        _LOCAL.no_gradient, _LOCAL.model, _LOCAL.seeded = before
 
 
 def _no_gradient_for(index: int) -> bool:
     """Whether fed parameter ``index`` gets no gradient, eager's None: ORT's zeros reached it
-    only through Function backwards that gave None. Every backward behind the feed in the
-    graph has run by the time its own runs, so what they gave up is known."""
+    only through Function backwards that gave None, or from outputs that got no gradient.
+    Every backward behind the feed in the graph has run by the time its own runs, so what
+    they gave up is known."""
     cut: list[tuple[int, int]] | None = getattr(_LOCAL, "no_gradient", None)
-    if not cut:
+    seeded: Sequence[str] | None = getattr(_LOCAL, "seeded", None)
+    if not cut and seeded is None:
         return False
     model: bytes = _LOCAL.model
     value = function_grads.fed_value(model, index)
-    return bool(function_grads.no_gradient_inputs(model, cut, [value]))
+    return bool(function_grads.no_gradient_inputs(model, cut or (), [value], seeded))
 
 
 def _kept_backward(

@@ -273,6 +273,13 @@ class TrainingRunner:
             # autograd node, so what torch would hand them cannot reach them.
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
         cut: list[tuple[int, int]] = []  # where a Function's backward gave no gradient
+        # Outputs without a gradient (unused by the loss): what only they reach gets None.
+        unused = [k for k, g in enumerate(grad_outputs) if g is None]
+        seeded = (
+            [self.info.output_names[k] for k, g in enumerate(grad_outputs) if g is not None]
+            if not self.non_differentiable.issuperset(unused)
+            else None
+        )
         if not (self.python_ops or run_state.fed or self.releases_torch_threads):
             try:
                 self.agent.run_backward(feeds, fetches, run_state.state)
@@ -284,7 +291,7 @@ class TrainingRunner:
                 releasing(self.releases_torch_threads),
                 memgrad.accumulating(self.owned_grads),
                 memgrad.feeding(run_state.fed),
-                pythonop.recording_no_gradient(self.info.model) as cut,
+                pythonop.recording_no_gradient(self.info.model, seeded) as cut,
             ):
                 try:
                     self.agent.run_backward(feeds, fetches, run_state.state)
@@ -292,11 +299,13 @@ class TrainingRunner:
                     failed = [g for g in grad_outputs if g is not None]
                     raise run_failed("backward", failed, e) from e
         grads: list[torch.Tensor | None] = list(to_torch(fetches))
-        if cut:
-            # A Function's backward gave None for an input: ORT computed with zeros there,
-            # and the inputs no other path reaches get None, as in eager.
+        if cut or seeded is not None:
+            # A Function's backward gave None for an input, or some outputs got no gradient:
+            # ORT computed with zeros there, and the inputs no other path reaches get None,
+            # as in eager (a head whose output the loss does not use keeps .grad None, and
+            # an optimizer then leaves it alone).
             names = [self.info.inputs[slot].name for slot in self.grad_slots]
-            none = function_grads.no_gradient_inputs(self.info.model, cut, names)
+            none = function_grads.no_gradient_inputs(self.info.model, cut, names, seeded)
             grads = [None if name in none else g for name, g in zip(names, grads, strict=True)]
         if trigger is not None:
             # The trigger's own gradient, last among ORT's (it is the last graph input).
