@@ -558,17 +558,41 @@ def test_dtype_change_on_an_inner_module_is_named_not_taken_for_a_shape_problem(
     assert all("dynamo" not in r for r in reasons)
 
 
-def test_parameters_replaced_outside_the_wrapper_are_tracked_again() -> None:
-    model = Switchy()
+class WithState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("shift", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) + self.shift
+
+
+@pytest.mark.parametrize("slot", ["a.weight", "b.weight", "b.bias", "shift"])
+def test_tensors_replaced_in_their_slot_outside_the_wrapper_are_tracked_again(slot: str) -> None:
+    """``module._parameters[name] = p`` / ``module._buffers[name] = t`` fire no hook (as
+    accelerate's set_module_tensor_to_device does it): any slot, not only the first
+    parameter's, is compared on every call; the new tensor is fed and trained (1e-6)."""
+    model = WithState()
     wrapped = ortfx.ORTModule(model)
     wrapped(X).sum().backward()
-    model.lin._parameters["weight"] = nn.Parameter(torch.ones(4, 4))  # no hook fires
+    owner, _, name = slot.rpartition(".")
+    holder = model.get_submodule(owner)
+    if name in holder._buffers:
+        holder._buffers[name] = torch.full((4,), 3.0)  # no hook fires
+    else:
+        holder._parameters[name] = nn.Parameter(torch.full_like(getattr(holder, name), 0.5))
     model.zero_grad()
     out = wrapped(X)
     out.sum().backward()
-    assert max_diff(out, model(X)) <= 1e-6
-    assert model.lin.weight.grad is not None
-    assert "the parameters were replaced outside the wrapper" in str(ortfx.explain(wrapped)[-1])
+    expected = copy.deepcopy(model)
+    expected.zero_grad()
+    reference = expected(X)
+    reference.sum().backward()
+    assert max_diff(out, reference) <= 1e-6
+    for (path, p), q in zip(model.named_parameters(), expected.parameters(), strict=True):
+        assert p.grad is not None and max_diff(p.grad, q.grad) <= 1e-6, path
+    assert f"{slot!r} was replaced outside the wrapper" in str(ortfx.explain(wrapped)[-1])
 
 
 def test_sessions_count_real_sessions() -> None:

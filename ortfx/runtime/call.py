@@ -170,8 +170,9 @@ def run(
 def track(shell: Shell, module: torch.nn.Module) -> tuple[Shell, Tracked]:
     """The shell with a current view of the module's tensors."""
     tracked = shell.tracked
-    if tracked is not None and tracked.replaced():
-        shell = invalidate(shell, "the parameters were replaced outside the wrapper")
+    replaced = tracked.replaced() if tracked is not None else None
+    if replaced is not None:
+        shell = invalidate(shell, f"{replaced!r} was replaced outside the wrapper")
         tracked = None
     if tracked is not None and (tracked.clock != watch.hook_clock() or tracked.hooks_removed()):
         cause = tracked.hooks_change()

@@ -60,9 +60,11 @@ class Tracked:
     params: tuple[torch.nn.Parameter, ...]
     named_tensors: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
     device: torch.device
-    # Where the first parameter lives: .to('meta') and friends replace every Parameter object
-    # without a registration hook; checking this one slot per call catches that cheaply.
-    first_slot: tuple[torch.nn.Module, str] | None = None
+    # Every slot of the tree that holds a tracked parameter or buffer: (the owner's own dict,
+    # local name, tensor). ``.to('meta')``, ``module._parameters[name] = p`` (accelerate's
+    # set_module_tensor_to_device) and ``module._buffers[name] = t`` replace tensors without a
+    # registration hook: one identity test per slot and call (about 10 µs for GPT-2's 150).
+    slots: tuple[tuple[Mapping[str, Any], str, torch.Tensor, str], ...] = ()  # + full name
     # Every module of the tree (the root first) and its name: the train/eval flags are read
     # from them on each call, since ``model.block.eval()`` changes the trace (BatchNorm,
     # dropout) without touching the root's flag.
@@ -95,10 +97,10 @@ class Tracked:
         slot and device, the hook clock and tables, the buffers' flags, the public attributes,
         the configs. The fast path's one check, inline (each test is cheap; most are skipped
         for what the tree does not have)."""
-        if self.first_slot is not None:
-            owner, name = self.first_slot
-            first = self.params[0]
-            if _torch.own_parameters(owner).get(name) is not first or first.device != self.device:
+        if self.params and self.params[0].device != self.device:
+            return False
+        for table, name, tensor, _ in self.slots:
+            if table.get(name) is not tensor:
                 return False
         if self.clock != _torch.hook_handles_made():
             return False
@@ -112,11 +114,9 @@ class Tracked:
             return False
         return not (self.configs and any(vars(c) != copied for _, c, copied in self.configs))
 
-    def replaced(self) -> bool:
-        if self.first_slot is None:
-            return False
-        owner, name = self.first_slot
-        return _torch.own_parameters(owner).get(name) is not self.params[0]
+    def replaced(self) -> str | None:
+        """The name of a parameter or buffer replaced in its slot, if any."""
+        return next((full for table, n, t, full in self.slots if table.get(n) is not t), None)
 
     def buffer_grad_changed(self) -> bool:
         """Whether a buffer's requires_grad flag moved since this view (one pass over them)."""
@@ -252,17 +252,16 @@ def track(module: torch.nn.Module) -> Tracked:
             PARAMS_ON_SEVERAL_DEVICES.format(devices=", ".join(sorted(map(str, devices))))
         )
     device = devices.pop() if devices else torch.device("cpu")
-    first_slot = None
-    if params:
-        # The module whose own _parameters holds it (found by identity: a nested ORTModule's
-        # names skip its _original_module level).
-        first = next(iter(params.values()))
-        first_slot = next(
-            (m, n)
-            for m in module.modules()
-            for n, p in _torch.own_parameters(m).items()
-            if p is first
-        )
+    # The slots by identity (a nested ORTModule's names skip its _original_module level), a
+    # tied tensor in each of its slots.
+    tracked_ids = {id(t) for t in named.values()}
+    slots = tuple(
+        (table, n, t, f"{prefix}.{n}" if prefix else n)
+        for prefix, m in module.named_modules(remove_duplicate=False)
+        for table in (_torch.own_parameters(m), _torch.own_buffers(m))
+        for n, t in table.items()
+        if t is not None and id(t) in tracked_ids
+    )
     modules = dict(module.named_modules())
     tree = tuple(modules.values())
     return Tracked(
@@ -270,7 +269,7 @@ def track(module: torch.nn.Module) -> Tracked:
         tuple(params.values()),
         named,
         device,
-        first_slot,
+        slots,
         tree,
         tuple(modules),
         _configs(modules),
