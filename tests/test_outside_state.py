@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import random
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -353,6 +354,67 @@ def test_a_draw_from_python_or_numpy_in_the_forward_is_refused(
     random.seed(1)
     np.random.seed(1)
     expected = [reference(x) for _ in range(3)]
+    for a, b in zip(got, expected, strict=True):
+        assert max_diff(a, b) <= TOL
+    assert max_diff(got[0], got[1]) > 1e-3  # a new draw each call
+
+
+SHARED_RNG = random.Random(0)
+
+
+class HoldsGenerator(Net):
+    def __init__(self, make: Callable[[], Any]) -> None:
+        super().__init__()
+        self.rng = make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        draw = self.rng.random() if hasattr(self.rng, "random") else self.rng.rand()
+        return self.fc(x) * float(draw)
+
+
+class UsesSharedGenerator(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * SHARED_RNG.uniform(0.5, 1.5)
+
+
+@pytest.mark.parametrize(
+    ("make", "where"),
+    [
+        (lambda: HoldsGenerator(lambda: random.Random(0)), "attribute 'rng' of HoldsGenerator"),
+        (
+            lambda: HoldsGenerator(lambda: np.random.default_rng(0)),
+            "attribute 'rng' of HoldsGenerator",
+        ),
+        (
+            lambda: HoldsGenerator(lambda: np.random.RandomState(0)),
+            "attribute 'rng' of HoldsGenerator",
+        ),
+        (UsesSharedGenerator, "global 'SHARED_RNG' of tests.test_outside_state"),
+    ],
+)
+def test_a_draw_from_a_generator_the_forward_holds_is_refused(
+    make: Callable[[], nn.Module], where: str
+) -> None:
+    """A random.Random / NumPy Generator or RandomState held by the module or a global: the
+    graph would hold the first draw for every call (it did, silently). Refused (typed,
+    strict); by default each call runs in PyTorch and draws anew. A module's own generator
+    is put back after the trace (eager's draws, 1e-6); a global one has given the refused
+    trace one draw (the first call's is its second)."""
+    x = torch.randn(3, 4)
+    with pytest.raises(ortfx.OrtfxExportError, match=re.escape(where)) as raised:
+        ortfx.ORTModule(make(), options=STRICT)(x)
+    assert "a random number generator: the graph would hold the numbers it drew" in str(
+        raised.value
+    )
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model)
+    state = SHARED_RNG.getstate()
+    got = [wrapped(x) for _ in range(3)]
+    SHARED_RNG.setstate(state)
+    expected = [reference(x) for _ in range(4)]
+    expected = expected[1:] if make is UsesSharedGenerator else expected[:3]
     for a, b in zip(got, expected, strict=True):
         assert max_diff(a, b) <= TOL
     assert max_diff(got[0], got[1]) > 1e-3  # a new draw each call

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import types
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ class Builder:
         if key in self.seen:
             return value
         self.seen.add(key)
+        _refuse_generator(value, where)
         if contents and isinstance(value, _CONTAINERS):
             self.copies.append((len(self.names), _snapshot(value, where)))
         self._tensor(value, where)
@@ -76,6 +78,7 @@ class Builder:
             return value
         self.seen.add(key)
         where = f"{name!r} of class {klass.__qualname__}"
+        _refuse_generator(value, where)
         if isinstance(value, _CONTAINERS) and _user_module(klass.__module__):
             self.proxy_copies.append((len(self.proxies), _snapshot(value, where)))
         self._tensor(value, where)
@@ -241,6 +244,25 @@ class Builder:
             instance_types=tuple(k for _, k in self.instances.values()),
             proxy_copies=tuple(self.proxy_copies),
             writes=tuple(dict.fromkeys(self.writes)),
+        )
+
+
+# Random number generators of Python and NumPy a forward may hold (``self.rng``): a draw from
+# one is a Python number the trace bakes in, and its state moves with every draw, so no
+# comparison could tell a graph that holds the first draw from the call's own.
+_GENERATORS: Final = (
+    random.Random,
+    np.random.Generator,
+    np.random.RandomState,
+    np.random.BitGenerator,
+)
+
+
+def _refuse_generator(value: Any, where: str) -> None:
+    if isinstance(value, _GENERATORS):
+        raise Unguardable(
+            f"{where} (a {type(value).__name__}, a random number generator: the graph would "
+            "hold the numbers it drew while traced, on every call; draw with torch instead)"
         )
 
 
