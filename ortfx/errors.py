@@ -257,6 +257,13 @@ TRACED_ATTRIBUTE_WRITES = (
     "back on every call), return it as an output, or run this module in PyTorch."
 )
 
+TRACED_CONTAINER_WRITES = (
+    "the forward changes the contents of %s (a list, dict or set: appended to, items set) "
+    "while exporting: ONNX Runtime runs the exported graph, not the forward's Python, so no "
+    "call through ortfx changes them (the export's own change is undone). Return such values "
+    "as outputs, or run this module in PyTorch."
+)
+
 TRACED_FORWARD_HOOKS = (
     "forward hooks on %s ran once, while exporting: what they compute with tensors is part of "
     "the graph, but their Python side effects (storing activations, printing, counting) will "

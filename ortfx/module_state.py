@@ -7,6 +7,7 @@ graph is traced, against the values now (no ``nn.Module.__setattr__`` is replace
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Iterable
 from typing import Any, Final, TypeAlias
@@ -49,6 +50,66 @@ def written(
             if _public(name) and before.get((id(m), name), _MISSING) is not value:
                 found[(id(m), name)] = (m, name)
     return tuple(found.values())
+
+
+# Containers a forward may fill (``self.acts.append(h)``, ``self.stats["mean"] = m``): changed
+# in place, so neither :func:`written` nor a shallow :func:`snapshot` sees them.
+_CONTAINERS: Final = (list, dict, set, bytearray, collections.deque)
+# torch's own bookkeeping on every module (hook tables, _parameters, ...): not the forward's.
+_TORCH_OWN: Final = frozenset(vars(torch.nn.Module()))
+
+# (owner module, or None for a call's argument; name; the container; its copy)
+Contents: TypeAlias = tuple[tuple[Any, str, Any, Any], ...]
+
+
+def contents(modules: Iterable[torch.nn.Module]) -> Contents:
+    """A shallow copy of every container the modules hold as attributes: (module, name, the
+    container, its copy), to find and undo what a traced forward put in them."""
+    return tuple(
+        (m, name, value, _copied(value))
+        for m in modules
+        for name, value in vars(m).items()
+        if name not in _TORCH_OWN and isinstance(value, _CONTAINERS)
+    )
+
+
+def arguments(values: Iterable[Any]) -> Contents:
+    """:func:`contents` of the containers among a call's arguments (lists, dicts, sets the
+    forward may fill, such as a list it appends features to)."""
+    return tuple(
+        (None, "", value, _copied(value)) for value in values if isinstance(value, _CONTAINERS)
+    )
+
+
+def _copied(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else type(value).__mro__[-2](value)
+
+
+def filled(before: Contents) -> tuple[tuple[torch.nn.Module, str], ...]:
+    """The containers of ``before`` whose contents changed since: (module, name)."""
+    return tuple((m, name) for m, name, value, copy in before if _differs(value, copy))
+
+
+def _differs(value: Any, copy: Any) -> bool:
+    if len(value) != len(copy):
+        return True
+    if isinstance(value, dict):
+        return any(k not in value or value[k] is not v for k, v in copy.items())
+    if isinstance(value, set | bytearray):
+        return bool(value != copy)
+    return any(a is not b for a, b in zip(value, copy, strict=True))
+
+
+def refill(before: Contents) -> None:
+    """Put the contents of ``before``'s containers back."""
+    for _, _, value, copy in before:
+        if not _differs(value, copy):
+            continue
+        value.clear()
+        if isinstance(value, dict | set):
+            value.update(copy)
+        else:
+            value.extend(copy)
 
 
 def described(writes: Iterable[tuple[torch.nn.Module, str]]) -> tuple[str, ...]:

@@ -453,6 +453,53 @@ def test_attributes_the_forward_sets_while_exporting_are_named(
     assert not caplog.records
 
 
+class FillsContainers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.acts: list[torch.Tensor] = []
+        self.stats: dict[str, torch.Tensor] = {}
+        self.seen_shapes: set[tuple[int, ...]] = set()
+
+    def forward(self, x: torch.Tensor, feats: list[torch.Tensor]) -> torch.Tensor:
+        h = self.lin(x)
+        self.acts.append(h.detach())
+        self.stats["mean"] = h.mean().detach()
+        self.seen_shapes.add(tuple(x.shape))
+        feats.append(h.detach())
+        return torch.relu(h)
+
+
+def test_containers_the_forward_fills_while_exporting_are_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forward that appends to a list, sets a dict item or adds to a set (its own, or an
+    argument) runs that Python once, while exporting: no later call fills them, which was
+    silent. The export's WARNING names them, the trace's own filling is undone (a call
+    through ortfx never fills them), the outputs match eager (1e-6); a forward that only
+    reads containers gets no warning."""
+    model = FillsContainers()
+    reference = copy.deepcopy(model)
+    wrapped = ortfx.ORTModule(model)
+    feats: list[torch.Tensor] = []
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        for _ in range(3):
+            assert max_diff(wrapped(X, feats), reference(X, [])) <= 1e-6
+    assert (model.acts, model.stats, model.seen_shapes, feats) == ([], {}, set(), [])
+    warnings_ = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings_ == [
+        "the forward changes the contents of 'acts' of FillsContainers, 'stats' of "
+        "FillsContainers, 'seen_shapes' of FillsContainers, its arguments (a list, dict or "
+        "set: appended to, items set) while exporting: ONNX Runtime runs the exported graph, "
+        "not the forward's Python, so no call through ortfx changes them (the export's own "
+        "change is undone). Return such values as outputs, or run this module in PyTorch."
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        ortfx.ORTModule(Switchy())(X)
+    assert not caplog.records
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

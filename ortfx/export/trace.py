@@ -101,6 +101,10 @@ class Exported:
     numbers_from_tensors: bool = False
     # The public module attributes the forward set while traced: (module, name).
     writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    # The containers the forward filled while traced (module attributes: (module, name);
+    # its arguments: ``arguments_filled``), their contents put back.
+    filled: tuple[tuple[torch.nn.Module, str], ...] = ()
+    arguments_filled: bool = False
     # What the forward read besides its arguments, parameters and buffers (compared per call).
     outside: Outside = attrs.Factory(Outside)
     # Every attribute the traced forward set or deleted, undone when the trace ended: the
@@ -155,6 +159,8 @@ class FlatCall(torch.nn.Module):
         self.returned_inputs: tuple[tuple[int, int], ...] = ()
         self.raised: BaseException | None = None
         self.writes: tuple[tuple[torch.nn.Module, str], ...] = ()
+        self.filled: tuple[tuple[torch.nn.Module, str], ...] = ()
+        self.arguments_filled = False
         self.changes: module_state.Changes = ()
         self.guards: tuple[Guard, ...] = ()
 
@@ -169,6 +175,8 @@ class FlatCall(torch.nn.Module):
         modules = list(self.module.modules())
         attributes = module_state.attributes(modules)
         before = module_state.snapshot(modules)
+        held = module_state.contents(modules)
+        given = module_state.arguments((*args, *kwargs.values()))
         watching = self.watch.forward() if self.watch is not None else contextlib.nullcontext()
         if self.watch is not None:  # a retried trace starts afresh
             self.watch.reads.conversions.clear()
@@ -179,8 +187,14 @@ class FlatCall(torch.nn.Module):
         except BaseException as e:
             self.raised = e
             module_state.restore(before)
+            module_state.refill(held)
             raise
         self.writes = module_state.written(attributes, modules)
+        # What the forward put in containers (its own, and its arguments): ORT runs the graph,
+        # not this Python, so no later call fills them; the trace's own filling is undone.
+        self.filled = module_state.filled(held)
+        module_state.refill(held)
+        self.arguments_filled = bool(module_state.filled(given))  # (rebuilt: not the caller's)
         # The trace leaves no attribute behind (an export that fails, or whose graph never
         # runs, must not count as a call); a run of its graph makes these changes again.
         self.changes = module_state.changes(before)
@@ -416,6 +430,8 @@ def export(
         reads_grad_flags=seen.leaves or checkpoints.reads_grad,
         numbers_from_tensors=numbers,
         writes=flat.writes,
+        filled=flat.filled,
+        arguments_filled=flat.arguments_filled,
         outside=read,
         changes=flat.changes,
     )

@@ -150,6 +150,10 @@ def traced_writes(log: WrapperLog, attributes: tuple[str, ...]) -> None:
     log.log(logging.WARNING, errors.TRACED_ATTRIBUTE_WRITES, ", ".join(attributes))
 
 
+def traced_fills(log: WrapperLog, containers: tuple[str, ...]) -> None:
+    log.log(logging.WARNING, errors.TRACED_CONTAINER_WRITES, ", ".join(containers))
+
+
 def traced_hooks(log: WrapperLog, modules: tuple[str, ...]) -> None:
     log.log(logging.WARNING, errors.TRACED_FORWARD_HOOKS, ", ".join(modules))
 

@@ -148,6 +148,11 @@ def _export(
     described = (*module_state.described(writes), *exported.outside.writes)
     if described:
         logs.traced_writes(log, tuple(dict.fromkeys(described)))
+    filled = module_state.described(exported.filled)
+    if exported.arguments_filled:
+        filled = (*filled, "its arguments")
+    if filled:
+        logs.traced_fills(log, filled)
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     if exported.checkpoint_updates:
