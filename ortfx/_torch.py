@@ -127,6 +127,12 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
 _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
+def gradient_watched(tensor: torch.Tensor) -> bool:
+    """Whether a gradient hook (``register_hook``) or ``retain_grad()`` waits on ``tensor``'s
+    gradient (torch keeps its tensor hooks in a private table)."""
+    return bool(getattr(tensor, "_backward_hooks", None)) or tensor.retains_grad
+
+
 def backward_keeps_graph() -> bool:
     """During a backward: whether it was asked to keep the graph (``retain_graph=True``),
     so that another backward may come through the same nodes. Without torch's private

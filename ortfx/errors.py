@@ -370,6 +370,14 @@ OUTPUT_DTYPE_CHANGED = (
     "(model.float()) or let ortfx fall back to PyTorch (the default policy does)."
 )
 
+WATCHED_INNER_OUTPUT = (
+    "output {position} of the module has a gradient hook or retain_grad(), and the module's "
+    "graph also uses that tensor inside: ONNX Runtime adds the gradient from inside the "
+    "module within its graph, so the hook (or .grad) would see only the part from outside the "
+    "module, where eager's sees the whole gradient. Return a clone of it (h.clone()) for the "
+    "hook, register the hook inside the forward, or run this module in PyTorch."
+)
+
 HIGHER_ORDER_GRADIENTS = (
     "higher-order gradients (backward or autograd.grad with create_graph=True) through a module "
     "run by ortfx are not supported: ONNX Runtime computes the first-order gradient, which torch "

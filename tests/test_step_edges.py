@@ -401,3 +401,41 @@ def test_what_only_unused_outputs_reach_gets_no_gradient_as_eager(memgrad: bool)
                 a.sum(), [module.head_a.weight, module.head_b.weight], allow_unused=True
             )
             assert found[0] is not None and found[1] is None
+
+
+class ReturnsHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return h, self.b(h), h.clone()  # h is returned and read by b; its clone is not
+
+
+@pytest.mark.parametrize("how", ["register_hook", "retain_grad"])
+def test_a_hook_on_an_output_the_graph_also_reads_raises(how: str) -> None:
+    """A returned tensor the forward also uses (a hidden state the next layer reads): eager's
+    hook (or retain_grad) sees its whole gradient, ORT adds the inner part within its graph,
+    so the hook saw only the outer part (and a rescaling hook trained differently), silently.
+    The backward raises a typed error; a hook on a tensor the graph does not reuse (the
+    clone) and calls without hooks give eager's gradients (1e-6)."""
+    torch.manual_seed(0)
+    model = ReturnsHidden()
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    x = torch.randn(3, 4)
+    h, y, _ = wrapped(x)
+    if how == "register_hook":
+        h.register_hook(lambda g: g * 3)
+    else:
+        h.retain_grad()
+    with pytest.raises(ortfx.OrtfxRuntimeError, match="output 0 of the module has a gradient hook"):
+        (y.sum() + h.sum()).backward()
+    for module in (model, wrapped):
+        module.zero_grad()
+        h, y, c = module(x)
+        c.register_hook(lambda g: g * 3)
+        (y.sum() + h.sum() + c.sum()).backward()
+    for (path, p), q in zip(wrapped.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert max_diff(p.grad, q.grad) <= 1e-6, path

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-from ortfx._torch import backward_keeps_graph
-from ortfx.errors import HIGHER_ORDER_GRADIENTS, OrtfxRuntimeError
+from ortfx._torch import backward_keeps_graph, gradient_watched
+from ortfx.errors import HIGHER_ORDER_GRADIENTS, WATCHED_INNER_OUTPUT, OrtfxRuntimeError
 from ortfx.runtime.training import TrainingRunner
 
 # torch's own message for a second backward through a freed graph.
@@ -34,6 +35,9 @@ class RunORT(torch.autograd.Function):
         ctx.outputs_meta = [(o.shape, o.dtype, o.device) for o in outputs]
         # Unused outputs arrive as None; the runner feeds zeros of the right kind itself.
         ctx.set_materialize_grads(False)
+        # The outputs the graph also uses inside: a hook on one would see part of its
+        # gradient (checked in backward, when the user has had the chance to add one).
+        ctx.inner = [(k, weakref.ref(outputs[k])) for k in runner.inner_outputs]
         frozen = [outputs[k] for k in runner.non_differentiable]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -60,6 +64,10 @@ class RunORT(torch.autograd.Function):
             # backward(create_graph=True) / autograd.grad(create_graph=True): ORT's gradient
             # graph is not itself differentiable by torch.
             raise OrtfxRuntimeError(HIGHER_ORDER_GRADIENTS)
+        for k, ref in ctx.inner:
+            watched = ref()
+            if watched is not None and gradient_watched(watched):
+                raise OrtfxRuntimeError(WATCHED_INNER_OUTPUT.format(position=k))
         saved = ctx.saved_tensors  # torch's in-place modification check, as for eager ops
         runner: TrainingRunner = ctx.runner
         if ctx.run_state is None:

@@ -204,6 +204,8 @@ class TrainingRunner:
     # Why a second backward through one forward cannot run the forward again (see
     # ortfx.runtime.replay); None when it can.
     replay_refused: str | None = None
+    # Outputs the graph also consumes inside (a returned hidden state the next layer reads).
+    inner_outputs: tuple[int, ...] = ()
 
     def memory_stat(self, probe: str) -> dict[str, tuple[str, int]]:
         """ORT's recompute opportunities: cluster id -> (symbolic bytes saved, frequency)."""
@@ -482,6 +484,7 @@ def _open_training(
         ),
         owned_grads=owned,
         replay_refused=replay.refusal(info, python_ops=bool(functions)),
+        inner_outputs=_inner_outputs(info),
     )
 
 
@@ -527,6 +530,14 @@ def _gradient(
         folded=tuple(sorted(built.folded)),
         compute_optimizer_failure=failure,
     )
+
+
+def _inner_outputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
+    """The positions of the outputs that nodes of the forward graph also read. (An output
+    copied by an Identity, a clone, gets only its own gradient, as in eager.)"""
+    graph = onnx.load_model_from_string(info.model).graph
+    read = {name for node in graph.node for name in node.input}
+    return tuple(k for k, name in enumerate(info.output_names) if name in read)
 
 
 def _guard_constant(
