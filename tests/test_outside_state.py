@@ -109,6 +109,33 @@ class ReadsConfig(Net):
         return self.fc(x) * self.cfg.scale
 
 
+def _scaled(y: torch.Tensor, cfg: Config) -> torch.Tensor:
+    return y * cfg.scale  # the config is not this function's first argument
+
+
+class PassesConfig(ReadsConfig):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled(self.fc(x), self.cfg)
+
+
+class ReadsConfigByName(ReadsConfig):
+    def __init__(self) -> None:
+        super().__init__()
+        self.field = "scale"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * getattr(self.cfg, self.field)
+
+
+class ReadsConfigInList(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfgs = [Config()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.cfgs[0].scale
+
+
 class ReadsArray(Net):
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -200,6 +227,18 @@ CASES: dict[str, tuple[Case, str]] = {
     "dataclass field with repr=False changed in place": (
         lambda mp: (ReadsConfig(), lambda m: setattr(m.cfg, "scale", 3.0)),
         "attribute 'scale' of Config changed outside the wrapper",
+    ),
+    "a config handed to a helper as its second argument": (
+        lambda mp: (PassesConfig(), lambda m: setattr(m.cfg, "scale", 3.0)),
+        "attribute 'scale' of Config (argument 'cfg' of _scaled) changed outside the wrapper",
+    ),
+    "a config field read by a name (getattr)": (
+        lambda mp: (ReadsConfigByName(), lambda m: setattr(m.cfg, "scale", 3.0)),
+        "attribute 'cfg' of ReadsConfigByName changed in place outside the wrapper",
+    ),
+    "a config inside a list attribute": (
+        lambda mp: (ReadsConfigInList(), lambda m: setattr(m.cfgs[0], "scale", 3.0)),
+        "attribute 'cfgs' of ReadsConfigInList changed in place outside the wrapper",
     ),
     "NumPy array attribute changed in place": (
         lambda mp: (ReadsArray(2000), lambda m: m.table.__setitem__(0, 5.0)),

@@ -52,6 +52,10 @@ class Scan:
     # public names); a value it writes is no change behind the graph when eager runs it.
     stores: frozenset[str] = frozenset()
     global_stores: frozenset[str] = frozenset()  # ``global STEP; STEP += 1``
+    # Attribute chains on the other named arguments, headed by the argument's name
+    # (``def scale(y, cfg): return y * cfg.scale``: ``("cfg", "scale")``); arguments the
+    # code changes (``cfg.log.append``) are left out: their state is the code's own.
+    argument_chains: tuple[tuple[str, ...], ...] = ()
 
 
 _SCANS: dict[types.CodeType, Scan | None] = {}
@@ -94,8 +98,11 @@ def _scan(code: types.CodeType) -> Scan:
     (``cfg = self.cfg`` then ``cfg.scale``). A straight read of the bytecode, ignoring
     control flow: what it finds is what the code can load."""
     first = code.co_varnames[0] if code.co_argcount and code.co_varnames else None
+    named = frozenset(code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount])
     chains: list[tuple[str, ...]] = []
     selfs: list[tuple[str, ...]] = []
+    others: list[tuple[str, ...]] = []
+    changed_arguments: set[str] = set()
     stores: set[str] = set()
     global_stores: set[str] = set()
     aliases: dict[str, tuple[str, ...]] = {}
@@ -113,7 +120,9 @@ def _scan(code: types.CodeType) -> Scan:
                 if mutates:
                     stores.add(chain[0])  # self.log.append(...), self.table.fill_(...)
                 return chain
-            if mutates:
+            if mutates and target is others:
+                changed_arguments.add(chain[0])
+            elif mutates:
                 global_stores.add(chain[0])  # LOG.append(...): the forward's own state
         return None
 
@@ -141,12 +150,17 @@ def _scan(code: types.CodeType) -> Scan:
             current, target = [], selfs
         elif name == "LOAD_FAST" and str(ins.argval) in aliases:
             current, target = list(aliases[str(ins.argval)]), selfs
+        elif name == "LOAD_FAST" and ins.argval in named:
+            current, target = [str(ins.argval)], others
+        if name in ("STORE_FAST", "DELETE_FAST") and ins.argval in named:
+            changed_arguments.add(str(ins.argval))  # rebound: no longer the caller's object
     close()
     return Scan(
         tuple(dict.fromkeys(chains)),
         tuple(dict.fromkeys(selfs)),
         frozenset(stores),
         frozenset(global_stores),
+        tuple(c for c in dict.fromkeys(others) if len(c) > 1 and c[0] not in changed_arguments),
     )
 
 
@@ -157,6 +171,9 @@ class Ran:
 
     code: dict[types.CodeType, dict[str, Any]] = attrs.Factory(dict)
     selves: dict[types.CodeType, dict[int, Any]] = attrs.Factory(dict)
+    # The objects passed as the named arguments whose attributes the code reads: code ->
+    # (argument name, id) -> object (not tensors: only plain objects are guarded).
+    arguments: dict[types.CodeType, dict[tuple[str, int], Any]] = attrs.Factory(dict)
     environ: dict[str, None] = attrs.Factory(dict)
     # Frames of custom autograd Functions' apply being run: their bodies run again at every
     # call (ORT calls them), reading what they read then; not guarded.
@@ -190,6 +207,12 @@ class Ran:
             me = frame.f_locals.get(code.co_varnames[0], _MISSING)
             if me is not _MISSING:
                 self.selves.setdefault(code, {}).setdefault(id(me), me)
+        if found.argument_chains:
+            passed = self.arguments.setdefault(code, {})
+            for name in {chain[0] for chain in found.argument_chains}:
+                value = frame.f_locals.get(name, _MISSING)
+                if value is not _MISSING and not isinstance(value, torch.Tensor):
+                    passed.setdefault((name, id(value)), value)
 
     def returned(self, frame: types.FrameType) -> None:
         """A profile hook's ``return`` event."""

@@ -42,6 +42,7 @@ class Builder:
         self.proxy_where: list[str] = []
         self.proxy_copies: list[tuple[int, Any]] = []
         self.copies: list[tuple[int, Any]] = []
+        self.objects: set[int] = set()  # config-like objects whose fields are copied
         self.cells: dict[int, tuple[types.CellType, Any, str]] = {}
         self.tensors: dict[int, tuple[torch.Tensor, int, str]] = {}
         self.environ: dict[str, str | None] = {}
@@ -60,6 +61,11 @@ class Builder:
         self.seen.add(key)
         _refuse_generator(value, where)
         if contents and isinstance(value, _CONTAINERS):
+            self.copies.append((len(self.names), _snapshot(value, where)))
+        elif contents and _user_config(value) and id(value) not in self.objects:
+            # All its fields: read by name through getattr(cfg, key), vars(cfg)[key], or a
+            # library function it is handed, as well as by the chains the scan follows.
+            self.objects.add(id(value))
             self.copies.append((len(self.names), _snapshot(value, where)))
         self._tensor(value, where)
         self.dicts.append(d)
@@ -266,6 +272,17 @@ def _refuse_generator(value: Any, where: str) -> None:
         )
 
 
+def _user_config(value: Any) -> bool:
+    """A config-like object of the user's own class (a dataclass, a namespace; library
+    configs such as transformers' are compared by the wrapper's own view)."""
+    return (
+        _plain_object(value)
+        and not callable(value)
+        and type(getattr(value, "__dict__", None)) is dict
+        and _user_module(type(value).__module__)
+    )
+
+
 def _plain_object(obj: Any) -> bool:
     """A config-like object whose fields a forward reads (a dataclass, a namespace)."""
     return (
@@ -313,7 +330,7 @@ def collect(ran: Ran | None, tree: Iterable[torch.nn.Module]) -> Outside:
     # reached from what is guarded (a helper object's __call__, a config's property); twice,
     # for objects reached through those.
     classes = {id(k) for m in modules for k in type(m).__mro__}
-    done: set[tuple[types.CodeType, int]] = set()
+    done: set[tuple[Any, ...]] = set()
     for _ in range(2):
         reached = {id(v) for v in (*build.values, *build.proxy_values)}
         for code, selves in ran.selves.items():
@@ -338,6 +355,24 @@ def collect(ran: Ran | None, tree: Iterable[torch.nn.Module]) -> Outside:
                 for chain in found.self_chains:
                     if chain[0] not in own:
                         build.chain(me, chain, "", contents=True)
+        # The chains on other arguments, for objects the guards reach (a config the module
+        # holds, passed to a helper: ``scale(y, self.cfg)`` reading ``cfg.scale``).
+        for code, passed in ran.arguments.items():
+            found = scan(code)
+            if found is None:
+                continue
+            for (name, key), value in passed.items():
+                if (code, key, name) in done or not (
+                    key in build.tree
+                    or (isinstance(value, type) and key in classes)
+                    or (key in reached and _plain_object(value))
+                ):
+                    continue
+                done.add((code, key, name))
+                where = f" (argument {name!r} of {code.co_name})"
+                for chain in found.argument_chains:
+                    if chain[0] == name:
+                        build.chain(value, chain[1:], where, contents=True)
     return build.build(ran.environ)
 
 

@@ -217,19 +217,41 @@ class _Tensor:
     version: int
 
 
-def _copy(value: Any) -> Any:
+@attrs.frozen(eq=False)
+class _Object:
+    """A config-like object inside a snapshot (``self.cfgs[0]``): the same object, with
+    its fields as they were (a forward reading ``self.cfgs[0].scale`` reads them)."""
+
+    obj: Any
+    fields: dict[str, Any]
+
+
+def _config_like(value: Any) -> bool:
+    return (
+        type(getattr(value, "__dict__", None)) is dict
+        and not isinstance(value, torch.Tensor | torch.nn.Module | type | types.ModuleType)
+        and not callable(value)
+    )
+
+
+def _copy(value: Any, depth: int = 0) -> Any:
     """A snapshot of a container's contents: plain values copied, NumPy arrays copied,
-    tensors by identity and version, other objects by identity."""
+    tensors by identity and version, config-like objects by identity and a copy of their
+    fields (two levels down), other objects by identity."""
     if isinstance(value, np.ndarray):
         return value.copy()
     if isinstance(value, torch.Tensor):
         return _Tensor(value, _torch.version(value))
     if isinstance(value, list | tuple):
-        return type(value)(map(_copy, value)) if type(value) in (list, tuple) else value
+        if type(value) not in (list, tuple):
+            return value
+        return type(value)(_copy(v, depth) for v in value)
     if isinstance(value, dict) and type(value) is dict:
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copy(v, depth) for k, v in value.items()}
     if isinstance(value, set | bytearray) and type(value) in (set, bytearray):
         return type(value)(value)
+    if depth < 2 and _config_like(value):
+        return _Object(value, {k: _copy(v, depth + 1) for k, v in vars(value).items()})
     return value
 
 
@@ -237,6 +259,8 @@ def _same_contents(value: Any, copied: Any) -> bool:
     """Whether ``value`` still holds what :func:`_copy` took."""
     if isinstance(copied, _Tensor):
         return value is copied.tensor and _torch.version(value) == copied.version
+    if isinstance(copied, _Object):
+        return value is copied.obj and _same_contents(vars(value), copied.fields)
     if isinstance(value, np.ndarray):
         return (
             isinstance(copied, np.ndarray)
