@@ -313,3 +313,38 @@ def test_source_larger_than_index_raises_in_backward_like_pytorch(how: str) -> N
     # The fallback holds for the input schema (dynamic sizes: every index above); the call
     # without gradients is a schema of its own and runs in ORT.
     assert (stats.exports, stats.fallback_calls) == (1, 3), stats
+
+
+DYNAMO = ortfx.Options(exporter="dynamo", fallback_policy=ortfx.FallbackPolicy.DISABLE)
+DYNAMO_CASES = [
+    ("gather", "train"),
+    ("scatter_add", "train"),
+    ("index_select", "train"),
+    ("index_copy", "train"),
+    ("one_hot", "train"),
+    ("cross_entropy", "train"),
+    ("nll_loss", "eval"),  # ORT 1.19 cannot differentiate the unfused form the exporter writes
+]
+
+
+@pytest.mark.parametrize(("name", "mode"), DYNAMO_CASES)
+def test_out_of_bounds_index_raises_like_pytorch_with_the_dynamo_exporter(
+    name: str, mode: str
+) -> None:
+    """The dynamo exporter (opt-in, and ortfx's own retry when a TorchScript graph baked a
+    size) wrote the same ops without PyTorch's bounds: -1 read the last position, one_hot
+    wrote a row of zeros, nll_loss read -1 as a class, silently. Each raises PyTorch's error
+    now, and good calls around it match eager (1e-6) with one export."""
+    torch.manual_seed(0)
+    model = Indexed(OPS[name])
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=DYNAMO)
+    getattr(model, mode)()
+    getattr(wrapped, mode)()
+    x = torch.randn(4, 5)
+    assert max_diff(wrapped(x, GOOD), model(x, GOOD)) <= 1e-6
+    for value in (-1, 5):
+        error = _eager_error(model, x, _with(value))
+        with pytest.raises(type(error), match=re.escape(str(error).splitlines()[0])):
+            wrapped(x, _with(value))
+    assert max_diff(wrapped(x, GOOD), model(x, GOOD)) <= 1e-6
+    assert ortfx.stats(wrapped).exports == 1

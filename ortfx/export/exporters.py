@@ -255,6 +255,8 @@ def dynamo(
         from ortfx.export import translations  # imports onnxscript
     except ImportError as e:
         raise OrtfxExportError(DYNAMO_NEEDS_ONNXSCRIPT) from e
+    from ortfx.export import dynamo_bounds
+
     state = {
         **{n: p for n, p in flat.named_parameters()},
         **{n: b for n, b in flat.named_buffers()},
@@ -277,17 +279,20 @@ def dynamo(
     ]
     dims += [None] * len(weights)
     with quiet():
-        program = torch.export.export(
-            Functional(), (*tensors, *weights), dynamic_shapes=(tuple(dims),)
-        )
+        with dynamo_bounds.checked():  # PyTorch's index bounds (TorchScript: indexing.py)
+            program = torch.export.export(
+                Functional(), (*tensors, *weights), dynamic_shapes=(tuple(dims),)
+            )
         onnx_program = torch.onnx.export(
             program,
             dynamo=True,
-            custom_translation_table=translations.table(),
+            custom_translation_table={**translations.table(), **dynamo_bounds.translations()},
             opset_version=max(opset, 18),
             optimize=True,
             input_names=[*input_names, *names],
             verbose=False,
         )
     assert onnx_program is not None
-    return onnx_program.model_proto
+    model = onnx_program.model_proto
+    dynamo_bounds.expand(model)
+    return model
