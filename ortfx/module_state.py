@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import operator
+import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any, Final, TypeAlias
 
@@ -110,6 +112,23 @@ def refill(before: Contents) -> None:
             value.update(copy)
         else:
             value.extend(copy)
+
+
+_BUFFER_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = (
+    weakref.WeakKeyDictionary()
+)
+_BUFFER_LOCKS_GUARD = threading.Lock()
+
+
+def buffer_lock(module: torch.nn.Module) -> threading.RLock:
+    """The lock of ``module``'s buffers: held by runs that write them back and by exports
+    (whose trace changes them and puts them back), so that two threads' calls lose no
+    update (eager's in-place updates lose none)."""
+    with _BUFFER_LOCKS_GUARD:
+        lock = _BUFFER_LOCKS.get(module)
+        if lock is None:
+            lock = _BUFFER_LOCKS[module] = threading.RLock()
+        return lock
 
 
 def described(writes: Iterable[tuple[torch.nn.Module, str]]) -> tuple[str, ...]:

@@ -9,15 +9,17 @@ raises too, or into a recovery (parameters changed behind the wrapper, the expor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+from ortfx import module_state
 from ortfx.errors import (
     BACKWARD_HOOKS,
     INPUT_CHANGED_IN_PLACE,
@@ -78,77 +80,85 @@ def execute(
         return info.restore_outputs([], leaves), shell.with_state(new_state)
     if info.updates:
         _check_updated_inputs(info, leaves, call)
-    inputs = info.construct_inputs_flat(leaves, tracked.named_tensors)
-    needs_grad = call.grad.any_grad and torch.is_grad_enabled()
-    built = compiled
-    try:
-        if needs_grad and not built.forward_only:
-            sizes = info.user_sizes(leaves)
-            if built.training is None:  # the entry's first backward: would hooks be skipped?
-                _refuse_backward_hooks(module)
-            if built.training is None or built.sizes != sizes:
-                try:
-                    built = training_for_sizes(shell, built, tracked.device, call, leaves, sizes)
-                except (OrtfxInitError, OrtfxExportError) as error:
-                    if call.key.training:
-                        raise
-                    # Eval mode (a validation loop without no_grad): the forward is what the
-                    # call needs; its outputs carry a backward that says why it cannot run.
-                    built = attrs.evolve(built, forward_only=_first_line(error))
-        if needs_grad and built.training is not None:
-            if built.training.info.fed_params:  # memory-efficient gradients: its own inputs
-                inputs = built.training.info.construct_inputs_flat(leaves, tracked.named_tensors)
-            outputs = RunORT.apply(built.training, *inputs)  # type: ignore[no-untyped-call]
-        else:
-            if built.inference is None:
-                built = with_inference_runner(shell, built, tracked.device, call)
-            assert built.inference is not None
-            outputs = built.inference.run(inputs)
-            if needs_grad:
-                # Anchored on an input that requires grad, so autograd records the outputs.
-                anchor = next(t for t in inputs if t.requires_grad)
-                outputs = NoGradientGraph.apply(  # type: ignore[no-untyped-call]
-                    built.forward_only, anchor, *outputs
-                )
-    except OrtfxRuntimeError as error:
-        changed = watch.changed_tensor(compiled.fingerprint, watch.track(module).fingerprint())
-        if changed is not None:
-            # e.g. model.block.double() done on an inner module: ORT rejects the new dtype.
-            return Retry(invalidate(shell, changed), changed)
-        # A call PyTorch rejects too (a wrong width, a user check) is the input's fault: its
-        # own exception, and no fallback or exporter switch for later, different calls.
-        raise_if_pytorch_raises(module, leaves, call.key.schema, torch.is_grad_enabled())
+    # Runs that write the module's buffers back (BatchNorm's running statistics) are one at
+    # a time per module: two threads' runs would each read the old values and the last copy
+    # back would win (eager's in-place updates lose none).
+    with _buffer_updates_serialized(module, info):
+        inputs = info.construct_inputs_flat(leaves, tracked.named_tensors)
+        needs_grad = call.grad.any_grad and torch.is_grad_enabled()
+        built = compiled
+        try:
+            if needs_grad and not built.forward_only:
+                sizes = info.user_sizes(leaves)
+                if built.training is None:  # the entry's first backward: would hooks be skipped?
+                    _refuse_backward_hooks(module)
+                if built.training is None or built.sizes != sizes:
+                    try:
+                        built = training_for_sizes(
+                            shell, built, tracked.device, call, leaves, sizes
+                        )
+                    except (OrtfxInitError, OrtfxExportError) as error:
+                        if call.key.training:
+                            raise
+                        # Eval mode (a validation loop without no_grad): the forward is what the
+                        # call needs; its outputs carry a backward that says why it cannot run.
+                        built = attrs.evolve(built, forward_only=_first_line(error))
+            if needs_grad and built.training is not None:
+                if built.training.info.fed_params:  # memory-efficient gradients: own inputs
+                    inputs = built.training.info.construct_inputs_flat(
+                        leaves, tracked.named_tensors
+                    )
+                outputs = RunORT.apply(built.training, *inputs)  # type: ignore[no-untyped-call]
+            else:
+                if built.inference is None:
+                    built = with_inference_runner(shell, built, tracked.device, call)
+                assert built.inference is not None
+                outputs = built.inference.run(inputs)
+                if needs_grad:
+                    # Anchored on an input that requires grad, so autograd records the outputs.
+                    anchor = next(t for t in inputs if t.requires_grad)
+                    outputs = NoGradientGraph.apply(  # type: ignore[no-untyped-call]
+                        built.forward_only, anchor, *outputs
+                    )
+        except OrtfxRuntimeError as error:
+            changed = watch.changed_tensor(compiled.fingerprint, watch.track(module).fingerprint())
+            if changed is not None:
+                # e.g. model.block.double() done on an inner module: ORT rejects the new dtype.
+                return Retry(invalidate(shell, changed), changed)
+            # A call PyTorch rejects too (a wrong width, a user check) is the input's fault: its
+            # own exception, and no fallback or exporter switch for later, different calls.
+            raise_if_pytorch_raises(module, leaves, call.key.schema, torch.is_grad_enabled())
+            if info.guards:
+                # A constant of the graph may be what it cannot run this call with (a length to
+                # split into): another of the key's graphs, or a new export, computes it.
+                hint = call.hint or GuardHint()
+                baked = call.key.baked if call.key.baked is not None else info.baked
+                failed = attrs.evolve(hint, failed=(*hint.failed, baked))
+                return Retry(attrs.evolve(shell, fast=None), _first_line(error), hint=failed)
+            if not (compiled.ran and call.key.options.exporter == "torchscript"):
+                raise
+            # The graph ran before on other sizes: the tracer baked a size in. The dynamo
+            # exporter keeps sizes symbolic; switching re-exports (the log says why).
+            logs.exporter_switch(shell.log, error)
+            return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
         if info.guards:
-            # A constant of the graph may be what it cannot run this call with (a length to
-            # split into): another of the key's graphs, or a new export, computes it.
-            hint = call.hint or GuardHint()
-            baked = call.key.baked if call.key.baked is not None else info.baked
-            failed = attrs.evolve(hint, failed=(*hint.failed, baked))
-            return Retry(attrs.evolve(shell, fast=None), _first_line(error), hint=failed)
-        if not (compiled.ran and call.key.options.exporter == "torchscript"):
-            raise
-        # The graph ran before on other sizes: the tracer baked a size in. The dynamo
-        # exporter keeps sizes symbolic; switching re-exports (the log says why).
-        logs.exporter_switch(shell.log, error)
-        return Retry(attrs.evolve(shell, exporter="dynamo", fast=None), "exporter switched")
-    if info.guards:
-        observed = info.observed(outputs)
-        expected = call.key.baked if call.key.baked is not None else info.baked
-        if this_call:
-            if observed != expected:
-                # The graph ran the call it was traced from: its values are right, and ORT's
-                # rounding of them (another summation order) is what later runs give for the
-                # same data. The entry is keyed by ORT's values, compared exactly from now
-                # on: a float a hair away may sit on the other side of a branch.
-                new_state = rekey(new_state, call.key, attrs.evolve(call.key, baked=observed))
-        elif observed != expected:  # computed with the wrong constants
-            return _guard_missed(shell, call, info, expected, observed)
-    if not built.ran:
-        _check_output_dtypes(info, outputs)
-    if 0 in [o.numel() for o in outputs[: info.n_user_outputs]]:
-        built = check_empty_outputs(built, module, leaves, call)
-    if info.updates:
-        _copy_back(info, outputs, leaves, tracked)
+            observed = info.observed(outputs)
+            expected = call.key.baked if call.key.baked is not None else info.baked
+            if this_call:
+                if observed != expected:
+                    # The graph ran the call it was traced from: its values are right, and ORT's
+                    # rounding of them (another summation order) is what later runs give for the
+                    # same data. The entry is keyed by ORT's values, compared exactly from now
+                    # on: a float a hair away may sit on the other side of a branch.
+                    new_state = rekey(new_state, call.key, attrs.evolve(call.key, baked=observed))
+            elif observed != expected:  # computed with the wrong constants
+                return _guard_missed(shell, call, info, expected, observed)
+        if not built.ran:
+            _check_output_dtypes(info, outputs)
+        if 0 in [o.numel() for o in outputs[: info.n_user_outputs]]:
+            built = check_empty_outputs(built, module, leaves, call)
+        if info.updates:
+            _copy_back(info, outputs, leaves, tracked)
     if built is not compiled or not built.ran:
         new_state = replace_payload(new_state, call.key, attrs.evolve(built, ran=True))
     if _new_runner(compiled, built):
@@ -291,6 +301,19 @@ def _check_updated_inputs(
         if update.kind == "input" and leaves[update.target].requires_grad:  # type: ignore[index]
             path = call.key.schema.paths[update.target]  # type: ignore[index]
             raise OrtfxIOError(INPUT_CHANGED_IN_PLACE.format(path=path))
+
+
+@contextlib.contextmanager
+def _buffer_updates_serialized(
+    module: torch.nn.Module, info: PostExportProcessedModelInfo
+) -> Iterator[None]:
+    """Hold ``module``'s buffer lock while a graph that updates its buffers runs and writes
+    back (an export holds it too: its trace changes the buffers and puts them back)."""
+    if not any(update.kind == "state" for update in info.updates):
+        yield
+        return
+    with module_state.buffer_lock(module):
+        yield
 
 
 def _copy_back(
