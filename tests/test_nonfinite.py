@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import attrs
 import onnx
@@ -224,3 +225,67 @@ def test_relu_grad_pass_is_torchs_threshold_backward(typed: bool) -> None:
     xe = x.clone().requires_grad_()
     torch.relu(xe).backward(dy)
     assert torch.equal(torch.from_numpy(got), xe.grad)
+
+
+NAN, INF = math.nan, math.inf
+# Rows: NaN among numbers, NaN after -inf, finite with ties, two NaNs first.
+WITH_NAN = torch.tensor(
+    [[1.0, NAN, 3.0, INF], [-INF, 2.0, NAN, 0.0], [1.0, 4.0, 3.0, 4.0], [NAN, NAN, 1.0, 1.0]]
+)
+REDUCTIONS = {
+    "argmax": lambda y: y.argmax(1),
+    "argmin": lambda y: y.argmin(-1),
+    "argmax_all": lambda y: y.argmax(),
+    "max_dim": lambda y: torch.stack([y.max(1).values, y.max(1).indices.float()]),
+    "min_dim_keepdim": lambda y: torch.cat([y.min(1, keepdim=True).values, y.min(1, True)[1]], 1),
+    "amax": lambda y: y.amax(1),
+    "amin": lambda y: y.amin((0, 1)),
+    "max_all": lambda y: y.max().reshape(1),
+    "min_all": lambda y: y.min().reshape(1),
+    "sign": torch.sign,
+    "hardswish": nn.functional.hardswish,
+}
+
+
+class Reduced(nn.Module):
+    def __init__(self, reduce: Any) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(x * self.scale)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+# ORT 1.19 has no gradient for ReduceMax/ReduceMin or Sign: those train in PyTorch (loudly).
+TRAINS = {"argmax", "argmin", "argmax_all", "hardswish"}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_max_like_reductions_propagate_nan_as_pytorch(name: str) -> None:
+    """ORT's ReduceMax/Min and ArgMax/Min skip NaN: x.max() of a tensor holding NaN returned
+    its largest number, silently. Values and indices equal PyTorch's exactly (NaN, the first
+    NaN's index, sign(NaN) = 0, hardswish(-inf) = NaN) without gradients and, for what ORT
+    trains, in a training call, whose gradient on finite inputs matches eager (1e-6)."""
+    torch.manual_seed(0)
+    model = Reduced(REDUCTIONS[name])
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    with torch.no_grad():
+        got, expected = wrapped(WITH_NAN), model(WITH_NAN)
+        assert _same(got.float(), expected.float()), (got, expected)
+        assert _same(wrapped(torch.ones(4, 4)).float(), model(torch.ones(4, 4)).float())
+    if name not in TRAINS:
+        return
+    assert _same(wrapped(WITH_NAN).detach().float(), model(WITH_NAN).detach().float())
+    finite = torch.randn(4, 4)
+    out, expected = wrapped(finite), model(finite)
+    assert _same(out.detach().float(), expected.detach().float())
+    if out.requires_grad:
+        out.sum().backward()
+        expected.sum().backward()
+        assert wrapped.scale.grad is not None and model.scale.grad is not None
+        assert float((wrapped.scale.grad - model.scale.grad).abs().max()) <= 1e-6

@@ -52,6 +52,7 @@ import torch.onnx.symbolic_opset14 as opset14
 from ortfx import _torch, aten
 from ortfx.errors import OrtfxExportError
 from ortfx.export import indexing
+from ortfx.export.nan_reductions import NAN_REDUCTIONS
 from ortfx.export.routed import (
     ATEN_SYMBOLICS,
     _constant,
@@ -550,6 +551,7 @@ def standard(opset: int, *, training: bool = False) -> list[tuple[str, Callable[
         ("aten::cumsum", cumsum, 11),
         *((name, symbolic, 9) for name, symbolic in bounds.items()),
         *((name, symbolic, low) for name, (symbolic, low) in indexing.INDEX_CHECKS.items()),
+        *((name, symbolic, low) for name, (symbolic, low) in NAN_REDUCTIONS.items()),
         ("aten::scaled_dot_product_attention", scaled_dot_product_attention, 14),
     ]
     return [(name, symbolic, opset) for name, symbolic, low in entries if opset >= low]
