@@ -55,7 +55,7 @@ _ONNX_INTS: Final[dict[torch.dtype, int]] = {
 }
 
 
-def _stock(name: str, opset: int) -> Callable[..., Any]:
+def stock(name: str, opset: int) -> Callable[..., Any]:
     """The exporter's own symbolic for ``aten::name`` at ``opset`` (the newest at or below it)."""
     for version in range(opset, 8, -1):
         try:
@@ -124,7 +124,7 @@ def _size(g: Any, x: Any, axis: int) -> Any:
 
 def gather(g: Any, x: Any, dim: Any, index: Any, *rest: Any) -> Any:
     """``torch.gather``: ``GatherElements`` wraps a negative index."""
-    return _stock("gather", g.opset)(g, x, dim, nonnegative(g, index), *rest)
+    return stock("gather", g.opset)(g, x, dim, nonnegative(g, index), *rest)
 
 
 def scatter(g: Any, x: Any, dim: Any, index: Any, src: Any, *rest: Any) -> Any:
@@ -137,7 +137,7 @@ def scatter(g: Any, x: Any, dim: Any, index: Any, src: Any, *rest: Any) -> Any:
         rank = _tensor_rank(index)
         if rank is not None and _tensor_rank(src) == rank and not _same_sizes(index, src):
             src = g.op("Slice", src, _int64(g, [0] * rank), g.op("Shape", checked))
-    return _stock("scatter", g.opset)(g, x, dim, checked, src, *rest)
+    return stock("scatter", g.opset)(g, x, dim, checked, src, *rest)
 
 
 def _is_constant(value: Any) -> bool:
@@ -186,7 +186,7 @@ def scatter_add(g: Any, x: Any, dim: Any, index: Any, src: Any) -> Any:
     """``Tensor.scatter_add``: ``x`` plus a reducing scatter into zeros (module docstring)."""
     checked = _src_as_large_as_index(g, nonnegative(g, index), src)
     _accumulating(g, "Tensor.scatter_add")
-    return g.op("Add", x, _stock("scatter_add", g.opset)(g, _zeros_like(g, x), dim, checked, src))
+    return g.op("Add", x, stock("scatter_add", g.opset)(g, _zeros_like(g, x), dim, checked, src))
 
 
 def scatter_reduce(
@@ -199,7 +199,7 @@ def scatter_reduce(
     if how == "sum" and helper._maybe_get_const(include_self, "b") is True:
         return scatter_add(g, x, dim, index, src)  # checks the index itself
     checked = nonnegative(g, index)
-    return _stock("scatter_reduce", g.opset)(g, x, dim, checked, src, reduce, include_self)
+    return stock("scatter_reduce", g.opset)(g, x, dim, checked, src, reduce, include_self)
 
 
 def index_put(g: Any, x: Any, indices: Any, values: Any, accumulate: Any = None) -> Any:
@@ -207,18 +207,18 @@ def index_put(g: Any, x: Any, indices: Any, values: Any, accumulate: Any = None)
     with its ``ScatterND`` made reducing (module docstring), and for one bool mask (which the
     exporter writes as a replacing ``masked_fill``/``masked_scatter``) the masked write into
     zeros plus the input."""
-    stock = _stock("index_put", g.opset)
+    exporters = stock("index_put", g.opset)
     adds = accumulate is not None and helper._maybe_get_const(accumulate, "b") is True
     if not adds:
-        return stock(g, x, indices, values, accumulate)
+        return exporters(g, x, indices, values, accumulate)
     listed = helper._unpack_list(indices) if helper._is_packed_list(indices) else [indices]
     if len(listed) == 1 and helper._is_bool(listed[0]):
         # The exporter's form for one mask (masked_fill / masked_scatter) replaces; a mask
         # names each position once, so the masked write into zeros plus x adds.
         unset = g.op("Constant", value_t=torch.tensor(False))
-        return g.op("Add", x, stock(g, _zeros_like(g, x), indices, values, unset))
+        return g.op("Add", x, exporters(g, _zeros_like(g, x), indices, values, unset))
     _accumulating(g, "Tensor.index_put(accumulate=True)")
-    out = stock(g, x, indices, values, accumulate)
+    out = exporters(g, x, indices, values, accumulate)
     scatter = _producer(out, "onnx::ScatterND")
     if scatter is None:
         raise OrtfxExportError(
@@ -245,12 +245,12 @@ def _producer(value: Any, kind: str, depth: int = 4) -> Any:
 
 def index_select(g: Any, x: Any, dim: Any, index: Any) -> Any:
     """``torch.index_select``: ``Gather`` wraps a negative index."""
-    return _stock("index_select", g.opset)(g, x, dim, nonnegative(g, index))
+    return stock("index_select", g.opset)(g, x, dim, nonnegative(g, index))
 
 
 def index_copy(g: Any, x: Any, dim: Any, index: Any, source: Any) -> Any:
     """``Tensor.index_copy``: its ``ScatterElements`` wraps a negative index."""
-    return _stock("index_copy", g.opset)(g, x, dim, nonnegative(g, index), source)
+    return stock("index_copy", g.opset)(g, x, dim, nonnegative(g, index), source)
 
 
 def one_hot(g: Any, indices: Any, num_classes: Any) -> Any:
@@ -262,19 +262,19 @@ def one_hot(g: Any, indices: Any, num_classes: Any) -> Any:
         # ONNX's OneHot takes no -1 for the depth: max + 1, as PyTorch infers it
         largest = g.op("ReduceMax", g.op("Cast", checked, to_i=_INT64), keepdims_i=0)
         depth = g.op("Add", largest, _int64(g, 1))
-        return _stock("one_hot", g.opset)(g, checked, depth)
+        return stock("one_hot", g.opset)(g, checked, depth)
     else:
         dynamic = not isinstance(classes, int)
         size = g.op("Cast", num_classes, to_i=_INT64) if dynamic else _int64(g, classes)
         checked = _within(g, indices, size)
-    return _stock("one_hot", g.opset)(g, checked, num_classes)
+    return stock("one_hot", g.opset)(g, checked, num_classes)
 
 
 def embedding_bag(g: Any, weight: Any, indices: Any, *rest: Any) -> Any:
     """``F.embedding_bag`` / ``nn.EmbeddingBag``: the ``Gather`` in the exporter's loop takes
     an index of -1 as the last row; PyTorch raises for an index outside ``[0, rows)``."""
     checked = _within(g, indices, _size(g, weight, 0))
-    return _stock("embedding_bag", g.opset)(g, weight, checked, *rest)
+    return stock("embedding_bag", g.opset)(g, weight, checked, *rest)
 
 
 def _checked_target(g: Any, scores: Any, target: Any, ignore_index: Any) -> Any:
@@ -291,7 +291,7 @@ def _loss(name: str) -> Callable[..., Any]:
         g: Any, scores: Any, target: Any, weight: Any, reduction: Any, ignore_index: Any, *rest: Any
     ) -> Any:
         checked = _checked_target(g, scores, target, ignore_index)
-        return _stock(name, g.opset)(g, scores, checked, weight, reduction, ignore_index, *rest)
+        return stock(name, g.opset)(g, scores, checked, weight, reduction, ignore_index, *rest)
 
     symbolic.__name__ = symbolic.__qualname__ = name
     symbolic.__doc__ = (

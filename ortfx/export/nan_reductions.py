@@ -12,30 +12,18 @@ number) are not covered (docs/index.md).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 
 from ortfx import _torch
+from ortfx.export.indexing import stock
 
 _FLOAT: Final = 1  # TensorProto.FLOAT
 _get_const = _torch.symbolic_helper("_get_const")
 _is_none = _torch.symbolic_helper("_is_none")
 _tensor_rank = _torch.symbolic_helper("_get_tensor_rank")
-
-
-def _stock(name: str, opset: int) -> Callable[..., Any]:
-    for version in range(opset, 6, -1):
-        try:
-            module = importlib.import_module(f"torch.onnx.symbolic_opset{version}")
-        except ImportError:
-            continue
-        found = getattr(module, name, None)
-        if found is not None:
-            return found  # type: ignore[no-any-return]
-    raise LookupError(f"torch.onnx has no symbolic for aten::{name} at opset {opset}")
 
 
 def _nan_flags(g: Any, x: Any) -> Any:
@@ -82,19 +70,19 @@ def _rank(x: Any) -> int | None:
 
 def _extreme(name: str) -> Callable[..., Any]:
     def symbolic(g: Any, self: Any, dim_or_y: Any = None, keepdim: Any = None) -> Any:
-        stock = _stock(name, g.opset)
+        exporters = stock(name, g.opset)
         if not self.type().dtype().is_floating_point:
-            return stock(g, self, dim_or_y, keepdim)
+            return exporters(g, self, dim_or_y, keepdim)
         if dim_or_y is None and keepdim is None:  # over every element
-            return _nan_where(g, _any_nan(g, self, None, False), stock(g, self))
+            return _nan_where(g, _any_nan(g, self, None, False), exporters(g, self))
         if keepdim is None:  # the elementwise maximum/minimum: NaN already propagates
-            return stock(g, self, dim_or_y, keepdim)
+            return exporters(g, self, dim_or_y, keepdim)
         dim = _get_const(dim_or_y, "i", "dim")
         keep = bool(_get_const(keepdim, "i", "keepdim"))
         rank = _rank(self)
         if rank is not None and dim < 0:
             dim += rank
-        values, indices = stock(g, self, dim_or_y, keepdim)
+        values, indices = exporters(g, self, dim_or_y, keepdim)
         has_nan = _any_nan(g, self, [dim], keep)
         first = _first_nan(g, self, dim, keep)
         return _nan_where(g, has_nan, values), g.op("Where", has_nan, first, indices)
@@ -106,7 +94,7 @@ def _extreme(name: str) -> Callable[..., Any]:
 
 def _extreme_values(name: str) -> Callable[..., Any]:
     def symbolic(g: Any, self: Any, dim: Any, keepdim: Any) -> Any:
-        out = _stock(name, g.opset)(g, self, dim, keepdim)
+        out = stock(name, g.opset)(g, self, dim, keepdim)
         if not self.type().dtype().is_floating_point:
             return out
         axes = _get_const(dim, "is", "dim")
@@ -120,7 +108,7 @@ def _extreme_values(name: str) -> Callable[..., Any]:
 
 def _extreme_index(name: str) -> Callable[..., Any]:
     def symbolic(g: Any, self: Any, dim: Any = None, keepdim: Any = None) -> Any:
-        out = _stock(name, g.opset)(g, self, dim, keepdim)
+        out = stock(name, g.opset)(g, self, dim, keepdim)
         if not self.type().dtype().is_floating_point:
             return out
         keep = bool(_get_const(keepdim, "i", "keepdim")) if keepdim is not None else False
@@ -152,7 +140,7 @@ def sign(g: Any, self: Any) -> Any:
 
 def hardswish(g: Any, self: Any) -> Any:
     """``F.hardswish``: NaN at -inf, as PyTorch's ``x * relu6(x + 3) / 6`` (ORT: 0)."""
-    out = _stock("hardswish", g.opset)(g, self)
+    out = stock("hardswish", g.opset)(g, self)
     return _nan_where(g, g.op("IsInf", self, detect_positive_i=0), out)
 
 
