@@ -340,6 +340,14 @@ CHECKPOINT_UPDATES_ONCE = (
     "from eager's with checkpointing (and equal eager's without it)"
 )
 
+RANDOM_DRAWS = (
+    "the exported graph draws random numbers (%s) from ONNX Runtime's generators, seeded from "
+    "torch's state: the same distribution, reproducible for a given torch.manual_seed, but not "
+    "the values eager PyTorch draws, and torch's own generator does not advance (a later "
+    "torch.manual_seed does not reseed the graph's). Compare losses with dropout off "
+    "(docs/runtime.md, Dropout and random ops). Said once per process."
+)
+
 OPS_IN_TORCH = (
     "%s cannot be expressed in ONNX; ortfx exported it as ATen node(s) that ONNX Runtime runs "
     "by calling torch inside the graph (no gradient flows through them)"

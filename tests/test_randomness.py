@@ -11,6 +11,7 @@ requiring grad gives, as in eager, outputs without gradients and torch's warning
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import subprocess
 import sys
@@ -354,3 +355,29 @@ def test_dynamo_cannot_tell_and_refuses_naming_the_line() -> None:
     assert max_diff(out, expected) == 0.0
     assert out.requires_grad
     assert ortfx.stats(wrapped).fallback_calls == 1
+
+
+def test_random_draws_are_said_once_per_process(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A graph with random nodes draws other values than eager (ORT's generators): a WARNING
+    says so once per process, naming the kinds of nodes; a graph without random nodes, and
+    the second wrapper with them, say nothing."""
+    from ortfx.runtime import logs
+
+    monkeypatch.setattr(logs, "_RANDOM_SAID", [])
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        ortfx.ORTModule(nn.Linear(8, 8))(x)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        for _ in range(2):
+            ortfx.ORTModule(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)))(x)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [
+        "the exported graph draws random numbers (Dropout) from ONNX Runtime's generators, "
+        "seeded from torch's state: the same distribution, reproducible for a given "
+        "torch.manual_seed, but not the values eager PyTorch draws, and torch's own generator "
+        "does not advance (a later torch.manual_seed does not reseed the graph's). Compare "
+        "losses with dropout off (docs/runtime.md, Dropout and random ops). Said once per "
+        "process."
+    ]

@@ -27,7 +27,7 @@ The passes, one family a file:
 from ortfx.passes.activations import tanh_gelu_in_torch
 from ortfx.passes.core import Edit, Pass, chain, graph_pass
 from ortfx.passes.cross_entropy import cross_entropy_in_torch, split_cross_entropy
-from ortfx.passes.dropout import add_dropout_masks, seed_random_nodes, session_seed
+from ortfx.passes.dropout import add_dropout_masks, random_ops, seed_random_nodes, session_seed
 from ortfx.passes.embedding import (
     PADDED_GATHER,
     PADDED_GATHER_DOMAIN,
@@ -101,6 +101,7 @@ __all__ = [
     "mark_static_sizes",
     "owned_gradients",
     "pin_sizes",
+    "random_ops",
     "reductions_keep_dims",
     "refuse_unsafe_gradients",
     "relu_grad_in_torch",

@@ -53,6 +53,14 @@ def session_seed(torch_state: bytes, session: int) -> int:
     return _mix(torch_state, session)
 
 
+def random_ops(model: bytes) -> tuple[str, ...]:
+    """The kinds of random nodes in ``model`` (Dropout, RandomNormal, ...), each once."""
+    graph = onnx.load_model_from_string(model).graph
+    return tuple(
+        dict.fromkeys(n.op_type for n in graph.node if n.op_type in _SEED_BITS and not n.domain)
+    )
+
+
 def seed_random_nodes(seed: int) -> Pass:
     """Give each random node (Dropout, RandomUniform, Bernoulli, ...) its own seed from ``seed``
     and its position among the graph's random nodes. The position, not the node's index: nodes

@@ -207,6 +207,16 @@ def compute_optimizer_failed(log: WrapperLog, failure: str) -> None:
     log.log(logging.WARNING, errors.COMPUTE_OPTIMIZER_FAILED, failure)
 
 
+_RANDOM_SAID: list[bool] = []
+
+
+def random_draws(log: WrapperLog, ops: tuple[str, ...]) -> None:
+    """Once per process: the graph's random nodes draw other values than eager's."""
+    if not _RANDOM_SAID:
+        _RANDOM_SAID.append(True)
+        log.log(logging.WARNING, errors.RANDOM_DRAWS, ", ".join(ops))
+
+
 def ops_in_torch(log: WrapperLog, ops: tuple[str, ...]) -> None:
     log.log(logging.INFO, errors.OPS_IN_TORCH, ", ".join(ops))
 
