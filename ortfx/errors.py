@@ -264,6 +264,12 @@ TRACED_CONTAINER_WRITES = (
     "as outputs, or run this module in PyTorch."
 )
 
+TRACING_QUERIES = (
+    "the forward asks whether it is traced (%s): ortfx's export traces it, so the graph holds "
+    "the branch taken while traced, which no eager call takes. Make both branches compute the "
+    "same values, or run this module in PyTorch."
+)
+
 TRACED_FORWARD_HOOKS = (
     "forward hooks on %s ran once, while exporting: what they compute with tensors is part of "
     "the graph, but their Python side effects (storing activations, printing, counting) will "

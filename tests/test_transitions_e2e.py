@@ -500,6 +500,36 @@ def test_containers_the_forward_fills_while_exporting_are_named(
     assert not caplog.records
 
 
+class AsksIfTraced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if torch.jit.is_tracing():  # a "trace-friendly" branch that computes something else
+            return y.clamp(-0.1, 0.1)
+        return y
+
+
+def test_a_forward_asking_whether_it_is_traced_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ortfx's export traces the forward, so a branch on torch.jit.is_tracing() is baked as
+    the traced one, which no eager call takes: the export's WARNING names the line (it was
+    silent; libraries' own queries, such as transformers' traceable paths, are not named)."""
+    with caplog.at_level(logging.WARNING, logger="ortfx"):
+        ortfx.ORTModule(AsksIfTraced())(X)
+    line = AsksIfTraced.forward.__code__.co_firstlineno + 2
+    warnings_ = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings_ == [
+        f"the forward asks whether it is traced (is_tracing() at test_transitions_e2e.py:{line}): "
+        "ortfx's export traces it, so the graph holds the branch taken while traced, which no "
+        "eager call takes. Make both branches compute the same values, or run this module in "
+        "PyTorch."
+    ]
+
+
 def test_invalidate_forces_a_reexport() -> None:
     model = nn.Sequential(models.GPTBlock())
     wrapped = ortfx.ORTModule(model)

@@ -105,6 +105,8 @@ class Exported:
     # its arguments: ``arguments_filled``), their contents put back.
     filled: tuple[tuple[torch.nn.Module, str], ...] = ()
     arguments_filled: bool = False
+    # Where the user's own code asked torch whether it is traced (``file:line``).
+    tracing_queries: tuple[str, ...] = ()
     # What the forward read besides its arguments, parameters and buffers (compared per call).
     outside: Outside = attrs.Factory(Outside)
     # Every attribute the traced forward set or deleted, undone when the trace ended: the
@@ -432,6 +434,7 @@ def export(
         writes=flat.writes,
         filled=flat.filled,
         arguments_filled=flat.arguments_filled,
+        tracing_queries=tuple(seen.ran.tracing_queries) if seen.ran is not None else (),
         outside=read,
         changes=flat.changes,
     )

@@ -174,6 +174,9 @@ class Ran:
     # The objects passed as the named arguments whose attributes the code reads: code ->
     # (argument name, id) -> object (not tensors: only plain objects are guarded).
     arguments: dict[types.CodeType, dict[tuple[str, int], Any]] = attrs.Factory(dict)
+    # Where the user's own code asked whether it is traced (torch.jit.is_tracing,
+    # torch.onnx.is_in_onnx_export): True while ortfx exports, False in every eager call.
+    tracing_queries: dict[str, None] = attrs.Factory(dict)
     environ: dict[str, None] = attrs.Factory(dict)
     # Frames of custom autograd Functions' apply being run: their bodies run again at every
     # call (ORT calls them), reading what they read then; not guarded.
@@ -191,6 +194,16 @@ class Ran:
             self.applying.add(id(frame))
             return
         if self.applying or code in self.foreign:
+            return
+        if code in _TRACING_QUERIES:
+            caller = frame.f_back
+            if (
+                caller is not None
+                and not _library(caller.f_code)
+                and not caller.f_globals.get("__name__", "").startswith(_NOT_GUARDED)
+            ):
+                where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+                self.tracing_queries[f"{code.co_name}() at {where}"] = None
             return
         if code is _ENVIRON_GET:
             key = frame.f_locals.get("key")
@@ -221,6 +234,11 @@ class Ran:
 
 
 _ENVIRON_GET: Final = type(os.environ).__getitem__.__code__
+_TRACING_QUERIES: Final = frozenset(
+    f.__code__
+    for f in (vars(torch.jit).get("is_tracing"), torch.onnx.is_in_onnx_export)
+    if isinstance(f, types.FunctionType)
+)
 
 
 def _library(code: types.CodeType) -> bool:

@@ -154,6 +154,10 @@ def traced_fills(log: WrapperLog, containers: tuple[str, ...]) -> None:
     log.log(logging.WARNING, errors.TRACED_CONTAINER_WRITES, ", ".join(containers))
 
 
+def tracing_queries(log: WrapperLog, where: tuple[str, ...]) -> None:
+    log.log(logging.WARNING, errors.TRACING_QUERIES, ", ".join(where))
+
+
 def traced_hooks(log: WrapperLog, modules: tuple[str, ...]) -> None:
     log.log(logging.WARNING, errors.TRACED_FORWARD_HOOKS, ", ".join(modules))
 

@@ -153,6 +153,8 @@ def _export(
         filled = (*filled, "its arguments")
     if filled:
         logs.traced_fills(log, filled)
+    if exported.tracing_queries:
+        logs.tracing_queries(log, exported.tracing_queries)
     if exported.checkpoint_calls:
         logs.checkpoint_calls(log, exported.checkpoint_calls, shell.options.memory_opt_level)
     if exported.checkpoint_updates:
