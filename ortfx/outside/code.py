@@ -6,6 +6,7 @@ from __future__ import annotations
 import dis
 import gc
 import os
+import sys
 import sysconfig
 import types
 from collections.abc import Iterable
@@ -195,7 +196,7 @@ class Ran:
             return
         if self.applying or code in self.foreign:
             return
-        if code in _TRACING_QUERIES:
+        if code in _tracing_queries():
             caller = frame.f_back
             if (
                 caller is not None
@@ -234,11 +235,22 @@ class Ran:
 
 
 _ENVIRON_GET: Final = type(os.environ).__getitem__.__code__
-_TRACING_QUERIES: Final = frozenset(
-    f.__code__
-    for f in (vars(torch.jit).get("is_tracing"), torch.onnx.is_in_onnx_export)
-    if isinstance(f, types.FunctionType)
-)
+_QUERIES: list[frozenset[types.CodeType]] = []
+
+
+def _tracing_queries() -> frozenset[types.CodeType]:
+    """The code of torch's "am I traced?" questions, looked up on first use (``torch.onnx``
+    is not imported by ``import ortfx``, and a torch without TorchScript has no exporter)."""
+    if not _QUERIES:
+        found = [vars(torch.jit).get("is_tracing")]
+        onnx = sys.modules.get("torch.onnx")
+        if onnx is not None:
+            found.append(vars(onnx).get("is_in_onnx_export"))
+        queries = frozenset(f.__code__ for f in found if isinstance(f, types.FunctionType))
+        if onnx is None:
+            return queries  # looked up again once torch.onnx is there
+        _QUERIES.append(queries)
+    return _QUERIES[0]
 
 
 def _library(code: types.CodeType) -> bool:
