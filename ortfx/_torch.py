@@ -13,7 +13,7 @@ import importlib
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -127,10 +127,23 @@ def engine_accumulates(leaf: torch.Tensor) -> bool:
 _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
+# Libraries whose tensor hooks on a module's outputs schedule their own work (FSDP's and
+# DeepSpeed's pre-backward hooks), not a reading of the gradient.
+_LIBRARY_HOOKS: Final = ("torch", "deepspeed", "accelerate", "transformers", "peft", "lightning")
+
+
 def gradient_watched(tensor: torch.Tensor) -> bool:
-    """Whether a gradient hook (``register_hook``) or ``retain_grad()`` waits on ``tensor``'s
-    gradient (torch keeps its tensor hooks in a private table)."""
-    return bool(getattr(tensor, "_backward_hooks", None)) or tensor.retains_grad
+    """Whether user code's gradient hook (``register_hook``) or ``retain_grad()`` waits on
+    ``tensor``'s gradient (torch keeps its tensor hooks in a private table)."""
+    if tensor.retains_grad:
+        return True
+    hooks = getattr(tensor, "_backward_hooks", None) or {}
+    for hook in hooks.values():
+        function = getattr(hook, "func", hook)
+        owner = getattr(function, "__module__", None) or ""
+        if owner.split(".")[0] not in _LIBRARY_HOOKS:
+            return True
+    return False
 
 
 def backward_keeps_graph() -> bool:
@@ -379,6 +392,15 @@ def shape_inference_without_weights() -> Iterator[None]:
 
 
 # ---- the TorchScript exporter's symbolic registry -------------------------------------------
+
+
+def symbolic_modules(opset: int) -> tuple[str, ...]:
+    """Where the TorchScript exporter defines its symbolics for ``opset``: its own module
+    (moved under ``torch.onnx._internal`` in torch 2.9), then the public re-export."""
+    return (
+        f"torch.onnx._internal.torchscript_exporter.symbolic_opset{opset}",
+        f"torch.onnx.symbolic_opset{opset}",
+    )
 
 
 def _symbolic_registry() -> Any:

@@ -84,7 +84,13 @@ def arguments(values: Iterable[Any]) -> Contents:
 
 
 def _copied(value: Any) -> Any:
-    return dict(value) if isinstance(value, dict) else type(value).__mro__[-2](value)
+    """A plain shallow copy (of a subclass too: ``class Names(List[str])``)."""
+    if isinstance(value, dict):
+        return dict(value)
+    for kind in (list, set, bytearray, collections.deque):
+        if isinstance(value, kind):
+            return kind(value)
+    return value
 
 
 def filled(before: Contents) -> tuple[tuple[torch.nn.Module, str], ...]:

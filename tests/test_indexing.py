@@ -280,8 +280,9 @@ def test_source_larger_than_index_raises_in_backward_like_pytorch(how: str) -> N
     """PyTorch writes the first index.shape elements of a larger source, and its backward then
     raises (an invalid gradient for the source); the exporter's form trained on silently. Such
     a call fails its run in ORT and falls back to PyTorch (a typed error when fallback is off):
-    eager's values, then eager's error in the backward; an index of the source's shape, and
-    calls without gradients, give eager's values and gradients (1e-6 / 1e-5)."""
+    eager's values, then eager's error in the backward, also through a graph a call without
+    gradients exported; an index of the source's shape gives eager's values and gradients
+    (1e-6 / 1e-5)."""
     torch.manual_seed(0)
     model = LargerSource(how)
     strict = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
@@ -311,8 +312,15 @@ def test_source_larger_than_index_raises_in_backward_like_pytorch(how: str) -> N
         assert max_diff(wrapped(small), model(small)) <= 1e-6
     stats = ortfx.stats(wrapped)
     # The fallback holds for the input schema (dynamic sizes: every index above); the call
-    # without gradients is a schema of its own and runs in ORT.
-    assert (stats.exports, stats.fallback_calls) == (1, 3), stats
+    # without gradients is a schema of its own, which falls back too.
+    assert stats.fallback_calls == 4, stats
+    # A graph exported by a call without gradients serves training calls too: it checks.
+    first = ortfx.ORTModule(copy.deepcopy(model))
+    with torch.no_grad():
+        first(full)
+    out = first(small)
+    with pytest.raises(RuntimeError, match=re.escape(str(raised.value))):
+        out.sum().backward()
 
 
 DYNAMO = ortfx.Options(exporter="dynamo", fallback_policy=ortfx.FallbackPolicy.DISABLE)

@@ -118,15 +118,6 @@ class PassesConfig(ReadsConfig):
         return _scaled(self.fc(x), self.cfg)
 
 
-class ReadsConfigByName(ReadsConfig):
-    def __init__(self) -> None:
-        super().__init__()
-        self.field = "scale"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * getattr(self.cfg, self.field)
-
-
 class ReadsConfigInList(Net):
     def __init__(self) -> None:
         super().__init__()
@@ -231,10 +222,6 @@ CASES: dict[str, tuple[Case, str]] = {
     "a config handed to a helper as its second argument": (
         lambda mp: (PassesConfig(), lambda m: setattr(m.cfg, "scale", 3.0)),
         "attribute 'scale' of Config (argument 'cfg' of _scaled) changed outside the wrapper",
-    ),
-    "a config field read by a name (getattr)": (
-        lambda mp: (ReadsConfigByName(), lambda m: setattr(m.cfg, "scale", 3.0)),
-        "attribute 'cfg' of ReadsConfigByName changed in place outside the wrapper",
     ),
     "a config inside a list attribute": (
         lambda mp: (ReadsConfigInList(), lambda m: setattr(m.cfgs[0], "scale", 3.0)),

@@ -439,3 +439,37 @@ def test_a_hook_on_an_output_the_graph_also_reads_raises(how: str) -> None:
     for (path, p), q in zip(wrapped.named_parameters(), model.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert max_diff(p.grad, q.grad) <= 1e-6, path
+
+
+class ReturnsWithoutInnerGradient(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.a(x)
+        h = torch.tanh(self.b(x))
+        # y is read inside only through argmax and a size; h returned as a clone and read
+        return y, y.argmax(-1), x.new_zeros(y.shape), h.clone(), h * 3
+
+
+def test_a_hook_on_an_output_read_inside_without_a_gradient_works_as_eager() -> None:
+    """An output read inside only by what passes no gradient (argmax, a size) or returned as
+    a clone gets exactly its own gradient: its hook and retain_grad() work as in eager (1e-6;
+    parameter gradients 1e-5)."""
+    torch.manual_seed(0)
+    model = ReturnsWithoutInnerGradient()
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    x = torch.randn(3, 4)
+    grads = []
+    for module in (model, wrapped):
+        y, _, _, c, z = module(x)
+        y.retain_grad()
+        seen: list[torch.Tensor] = []
+        c.register_hook(lambda g, seen=seen: seen.append(g) or g * 2)
+        (y.pow(2).sum() + c.sum() + z.sum()).backward()
+        grads.append((y.grad, seen[0], [p.grad for p in module.parameters()]))
+    (y_e, c_e, p_e), (y_o, c_o, p_o) = grads
+    assert max_diff(y_o, y_e) <= 1e-6 and max_diff(c_o, c_e) <= 1e-6
+    for a, b in zip(p_o, p_e, strict=True):
+        assert max_diff(a, b) <= 1e-5  # sums of magnitude 10

@@ -56,15 +56,18 @@ _ONNX_INTS: Final[dict[torch.dtype, int]] = {
 
 
 def stock(name: str, opset: int) -> Callable[..., Any]:
-    """The exporter's own symbolic for ``aten::name`` at ``opset`` (the newest at or below it)."""
+    """The exporter's own symbolic for ``aten::name`` at ``opset`` (the newest at or below it),
+    from the modules that define them (the public ``torch.onnx.symbolic_opsetN`` re-export only
+    some: opset 18's ``amax`` is not among them)."""
     for version in range(opset, 8, -1):
-        try:
-            module = importlib.import_module(f"torch.onnx.symbolic_opset{version}")
-        except ImportError:
-            continue
-        found = getattr(module, name, None)
-        if found is not None:
-            return found  # type: ignore[no-any-return]
+        for module_name in _torch.symbolic_modules(version):
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            found = vars(module).get(name)
+            if callable(found):
+                return found  # type: ignore[no-any-return]
     raise LookupError(f"torch.onnx has no symbolic for aten::{name} at opset {opset}")
 
 
@@ -171,12 +174,13 @@ def _accumulating(g: Any, op: str) -> None:
 
 
 def _src_as_large_as_index(g: Any, index: Any, src: Any) -> Any:
-    """``index``, with a check that fails the run if ``src`` is larger than ``index`` while
-    gradients flow to it. PyTorch takes the first ``index.shape`` elements of a larger ``src``,
-    but its backward then raises ("ScatterAddBackward0 returned an invalid gradient"), where
-    the exporter's form (a slice of ``src``) would train on; the shell repeats PyTorch's
-    error. A ``src`` without gradients (and any call without them) runs as exported."""
-    if not (torch.is_grad_enabled() and src.requiresGrad()) or _same_sizes(index, src):
+    """``index``, with a check that fails the run if ``src`` is larger than ``index``.
+    PyTorch takes the first ``index.shape`` elements of a larger ``src``, but its backward then
+    raises for a ``src`` that needs a gradient ("ScatterAddBackward0 returned an invalid
+    gradient"), where the exporter's form (a slice of ``src``) would train on. The call falls
+    back to PyTorch, whose backward raises or not as eager's does. Checked whatever the grad
+    mode of the exporting call: its graph may serve calls of the other mode."""
+    if _same_sizes(index, src):
         return index
     differ = g.op("Not", g.op("Equal", g.op("Shape", src), g.op("Shape", index)))
     return _plus(g, index, _zero_unless(g, differ))

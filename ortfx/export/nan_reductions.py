@@ -21,6 +21,9 @@ from ortfx import _torch
 from ortfx.export.indexing import stock
 
 _FLOAT: Final = 1  # TensorProto.FLOAT
+# ORT 1.19's CPU IsNaN/IsInf kernels below opset 20 take float32 and float64 only (float16 and
+# bfloat16 keep the exporter's forms: documented).
+_CHECKED: Final = (torch.float32, torch.float64)
 _get_const = _torch.symbolic_helper("_get_const")
 _is_none = _torch.symbolic_helper("_is_none")
 _tensor_rank = _torch.symbolic_helper("_get_tensor_rank")
@@ -63,6 +66,10 @@ def _nan_where(g: Any, has_nan: Any, out: Any) -> Any:
     return g.op("Where", has_nan, _constant_like(g, float("nan"), out), out)
 
 
+def _checked(x: Any) -> bool:
+    return bool(x.type().kind() == "TensorType" and x.type().dtype() in _CHECKED)
+
+
 def _rank(x: Any) -> int | None:
     rank: int | None = _tensor_rank(x)
     return rank
@@ -71,7 +78,7 @@ def _rank(x: Any) -> int | None:
 def _extreme(name: str) -> Callable[..., Any]:
     def symbolic(g: Any, self: Any, dim_or_y: Any = None, keepdim: Any = None) -> Any:
         exporters = stock(name, g.opset)
-        if not self.type().dtype().is_floating_point:
+        if not _checked(self):
             return exporters(g, self, dim_or_y, keepdim)
         if dim_or_y is None and keepdim is None:  # over every element
             return _nan_where(g, _any_nan(g, self, None, False), exporters(g, self))
@@ -80,7 +87,9 @@ def _extreme(name: str) -> Callable[..., Any]:
         dim = _get_const(dim_or_y, "i", "dim")
         keep = bool(_get_const(keepdim, "i", "keepdim"))
         rank = _rank(self)
-        if rank is not None and dim < 0:
+        if not rank:  # a 0-dim tensor (or an unknown rank): its one value is the result
+            return exporters(g, self, dim_or_y, keepdim)
+        if dim < 0:
             dim += rank
         values, indices = exporters(g, self, dim_or_y, keepdim)
         has_nan = _any_nan(g, self, [dim], keep)
@@ -95,7 +104,7 @@ def _extreme(name: str) -> Callable[..., Any]:
 def _extreme_values(name: str) -> Callable[..., Any]:
     def symbolic(g: Any, self: Any, dim: Any, keepdim: Any) -> Any:
         out = stock(name, g.opset)(g, self, dim, keepdim)
-        if not self.type().dtype().is_floating_point:
+        if not _checked(self):
             return out
         axes = _get_const(dim, "is", "dim")
         keep = bool(_get_const(keepdim, "i", "keepdim"))
@@ -109,18 +118,19 @@ def _extreme_values(name: str) -> Callable[..., Any]:
 def _extreme_index(name: str) -> Callable[..., Any]:
     def symbolic(g: Any, self: Any, dim: Any = None, keepdim: Any = None) -> Any:
         out = stock(name, g.opset)(g, self, dim, keepdim)
-        if not self.type().dtype().is_floating_point:
+        if not _checked(self):
             return out
         keep = bool(_get_const(keepdim, "i", "keepdim")) if keepdim is not None else False
         if _is_none(dim):
-            if keep:  # an index shaped like the input's rank: rare, left as exported
-                return out
-            return g.op(
-                "Where", _any_nan(g, self, None, False), _first_nan(g, self, None, False), out
-            )
+            first = _first_nan(g, self, None, False)
+            if keep:  # the flat index in the input's rank of ones, as the exporter shapes it
+                first = g.op("Reshape", first, g.op("Shape", out))
+            return g.op("Where", _any_nan(g, self, None, False), first, out)
         axis = _get_const(dim, "i", "dim")
         rank = _rank(self)
-        if rank is not None and axis < 0:
+        if not rank:  # a 0-dim tensor (or an unknown rank): index 0
+            return out
+        if axis < 0:
             axis += rank
         has_nan = _any_nan(g, self, [axis], keep)
         return g.op("Where", has_nan, _first_nan(g, self, axis, keep), out)
@@ -133,7 +143,7 @@ def _extreme_index(name: str) -> Callable[..., Any]:
 def sign(g: Any, self: Any) -> Any:
     """``torch.sign``: 0 for NaN (ONNX's ``Sign`` gives NaN)."""
     out = g.op("Sign", self)
-    if not self.type().dtype().is_floating_point:
+    if not _checked(self):
         return out
     return g.op("Where", g.op("IsNaN", self), _constant_like(g, 0.0, self), out)
 
@@ -141,6 +151,8 @@ def sign(g: Any, self: Any) -> Any:
 def hardswish(g: Any, self: Any) -> Any:
     """``F.hardswish``: NaN at -inf, as PyTorch's ``x * relu6(x + 3) / 6`` (ORT: 0)."""
     out = stock("hardswish", g.opset)(g, self)
+    if not _checked(self):
+        return out
     return _nan_where(g, g.op("IsInf", self, detect_positive_i=0), out)
 
 

@@ -537,6 +537,13 @@ NAN_AND_BOUNDS: Final[dict[str, Callable[..., Any]]] = {
 }
 
 
+def clone(g: Any, x: Any, memory_format: Any = None) -> Any:
+    """``x.clone()`` as an ``Identity`` (the exporter writes none): a returned clone is then a
+    value of its own, whose gradient is its own, as in eager (see
+    ``runtime.training._inner_outputs``); ORT removes the Identity when it optimizes."""
+    return g.op("Identity", x)
+
+
 def standard(opset: int, *, training: bool = False) -> list[tuple[str, Callable[..., Any], int]]:
     """The symbolics above that write standard ONNX operators, as ``(name, symbolic, opset)``
     for an export at ``opset``: PyTorch's values where the exporter's forms differ. Without
@@ -547,6 +554,7 @@ def standard(opset: int, *, training: bool = False) -> list[tuple[str, Callable[
     )
     entries: list[tuple[str, Callable[..., Any], int]] = [
         ("aten::copy", copy, 9),
+        ("aten::clone", clone, 9),
         ("aten::diff", diff, 9),
         ("aten::cumsum", cumsum, 11),
         *((name, symbolic, 9) for name, symbolic in bounds.items()),

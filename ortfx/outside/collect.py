@@ -42,7 +42,6 @@ class Builder:
         self.proxy_where: list[str] = []
         self.proxy_copies: list[tuple[int, Any]] = []
         self.copies: list[tuple[int, Any]] = []
-        self.objects: set[int] = set()  # config-like objects whose fields are copied
         self.cells: dict[int, tuple[types.CellType, Any, str]] = {}
         self.tensors: dict[int, tuple[torch.Tensor, int, str]] = {}
         self.environ: dict[str, str | None] = {}
@@ -61,11 +60,6 @@ class Builder:
         self.seen.add(key)
         _refuse_generator(value, where)
         if contents and isinstance(value, _CONTAINERS):
-            self.copies.append((len(self.names), _snapshot(value, where)))
-        elif contents and _user_config(value) and id(value) not in self.objects:
-            # All its fields: read by name through getattr(cfg, key), vars(cfg)[key], or a
-            # library function it is handed, as well as by the chains the scan follows.
-            self.objects.add(id(value))
             self.copies.append((len(self.names), _snapshot(value, where)))
         self._tensor(value, where)
         self.dicts.append(d)
@@ -270,17 +264,6 @@ def _refuse_generator(value: Any, where: str) -> None:
             f"{where} (a {type(value).__name__}, a random number generator: the graph would "
             "hold the numbers it drew while traced, on every call; draw with torch instead)"
         )
-
-
-def _user_config(value: Any) -> bool:
-    """A config-like object of the user's own class (a dataclass, a namespace; library
-    configs such as transformers' are compared by the wrapper's own view)."""
-    return (
-        _plain_object(value)
-        and not callable(value)
-        and type(getattr(value, "__dict__", None)) is dict
-        and _user_module(type(value).__module__)
-    )
 
 
 def _plain_object(obj: Any) -> bool:

@@ -276,6 +276,8 @@ def _same_contents(value: Any, copied: Any) -> bool:
         return value.keys() == copied.keys() and all(
             _same_contents(v, copied[k]) for k, v in value.items()
         )
+    if isinstance(value, float) and value != value:  # NaN: the same constant as NaN
+        return isinstance(copied, float) and copied != copied
     if isinstance(value, _PLAIN) or type(value) in (set, bytearray):
         try:
             return bool(value == copied)
@@ -284,18 +286,25 @@ def _same_contents(value: Any, copied: Any) -> bool:
     return value is copied
 
 
-def _items(value: Any) -> int:
-    """How many values a snapshot of ``value`` holds (nested containers counted through)."""
+def _items(value: Any, depth: int = 0) -> int:
+    """How many values a snapshot of ``value`` holds (nested containers and the fields of
+    config-like objects in them counted through)."""
     if isinstance(value, np.ndarray):
         return int(value.size)
+    if depth < 2 and not isinstance(value, _NESTED) and _config_like(value):
+        return 1 + sum(_items(v, depth + 1) for v in vars(value).values())
     if type(value) in (list, tuple):
-        return len(value) + sum(_items(v) for v in value if type(v) in _NESTED)
+        return len(value) + sum(_items(v, depth) for v in value if _counted(v))
     if type(value) is dict:
-        return len(value) + sum(_items(v) for v in value.values() if type(v) in _NESTED)
+        return len(value) + sum(_items(v, depth) for v in value.values() if _counted(v))
     return len(value) if isinstance(value, set | bytearray) else 1
 
 
 _NESTED: Final = (list, tuple, dict, np.ndarray)
+
+
+def _counted(value: Any) -> bool:
+    return type(value) in _NESTED or isinstance(value, np.ndarray) or _config_like(value)
 
 
 def _snapshot(value: Any, where: str) -> Any:

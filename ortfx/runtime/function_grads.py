@@ -216,13 +216,26 @@ def no_gradient_inputs(
     )
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _no_gradient_inputs(
     model: bytes,
     cut: frozenset[tuple[int, int]],
     names: tuple[str, ...],
     seeded: frozenset[str] | None,
 ) -> frozenset[str]:
+    given = _given(model, cut, seeded)
+    return frozenset(name for name in names if name not in given)
+
+
+def receives_gradient(model: bytes, value: str, seeded: Iterable[str]) -> bool:
+    """Whether a gradient reaches ``value`` from the graph outputs ``seeded`` (through nodes
+    that pass one: not sizes, comparisons, integer casts or a detach)."""
+    return value in _given(model, frozenset(), frozenset(seeded))
+
+
+def _given(
+    model: bytes, cut: frozenset[tuple[int, int]], seeded: frozenset[str] | None
+) -> set[str]:
     graph = _graph(model)
     nodes = graph.nodes
     outputs = graph.outputs if seeded is None else seeded
@@ -239,4 +252,4 @@ def _no_gradient_inputs(
             reached.add(value)
             if gives and (node.number is None or (node.number, node.positions[k]) not in cut):
                 given.add(value)
-    return frozenset(name for name in names if name not in given)
+    return given

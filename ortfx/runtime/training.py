@@ -7,7 +7,7 @@ import ast
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -484,7 +484,9 @@ def _open_training(
         ),
         owned_grads=owned,
         replay_refused=replay.refusal(info, python_ops=bool(functions)),
-        inner_outputs=_inner_outputs(info),
+        inner_outputs=_inner_outputs(
+            info, {kept[k] for k in gradient.non_differentiable} | set(constants)
+        ),
     )
 
 
@@ -532,12 +534,19 @@ def _gradient(
     )
 
 
-def _inner_outputs(info: PostExportProcessedModelInfo) -> tuple[int, ...]:
-    """The positions of the outputs that nodes of the forward graph also read. (An output
-    copied by an Identity, a clone, gets only its own gradient, as in eager.)"""
-    graph = onnx.load_model_from_string(info.model).graph
-    read = {name for node in graph.node for name in node.input}
-    return tuple(k for k, name in enumerate(info.output_names) if name in read)
+def _inner_outputs(info: PostExportProcessedModelInfo, skip: Iterable[int]) -> tuple[int, ...]:
+    """The positions of the outputs that also pass a gradient inside the forward graph to
+    another output (not through sizes, comparisons or a detach; ``skip``: outputs that take no
+    gradient). An output copied by an Identity, a clone, gets only its own gradient, as in
+    eager."""
+    names = info.output_names
+    skipped = set(skip)
+    found = []
+    for k, name in enumerate(names):
+        others = [n for j, n in enumerate(names) if j != k and j not in skipped and n != name]
+        if others and function_grads.receives_gradient(info.model, name, others):
+            found.append(k)
+    return tuple(found)
 
 
 def _guard_constant(
