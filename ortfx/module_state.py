@@ -8,10 +8,11 @@ graph is traced, against the values now (no ``nn.Module.__setattr__`` is replace
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Final, TypeAlias
 
 import attrs
@@ -120,21 +121,33 @@ def refill(before: Contents) -> None:
             value.extend(copy)
 
 
-_BUFFER_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = (
-    weakref.WeakKeyDictionary()
-)
+# id(buffer) -> (the buffer, weakly; its lock): by id, since tensors compare elementwise.
+_BUFFER_LOCKS: dict[int, tuple[weakref.ref[torch.Tensor], threading.RLock]] = {}
 _BUFFER_LOCKS_GUARD = threading.Lock()
 
 
-def buffer_lock(module: torch.nn.Module) -> threading.RLock:
-    """The lock of ``module``'s buffers: held by runs that write them back and by exports
-    (whose trace changes them and puts them back), so that two threads' calls lose no
-    update (eager's in-place updates lose none)."""
+def _lock_of(tensor: torch.Tensor) -> threading.RLock:
+    key = id(tensor)
+    entry = _BUFFER_LOCKS.get(key)
+    if entry is None or entry[0]() is not tensor:
+        ref = weakref.ref(tensor, lambda _: _BUFFER_LOCKS.pop(key, None))
+        entry = _BUFFER_LOCKS[key] = (ref, threading.RLock())
+    return entry[1]
+
+
+@contextlib.contextmanager
+def buffers_locked(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Hold the lock of each of these buffers: runs that write buffers back and exports (whose
+    trace changes them and puts them back) take them, so that two threads' calls lose no
+    update (eager's in-place updates lose none), also when two wrappers share a module (a
+    nested wrapper, a shared backbone). Taken in one global order: no two callers wait on
+    each other."""
     with _BUFFER_LOCKS_GUARD:
-        lock = _BUFFER_LOCKS.get(module)
-        if lock is None:
-            lock = _BUFFER_LOCKS[module] = threading.RLock()
-        return lock
+        locks = [_lock_of(t) for t in sorted({id(t): t for t in tensors}.values(), key=id)]
+    with contextlib.ExitStack() as stack:
+        for lock in locks:
+            stack.enter_context(lock)
+        yield
 
 
 def described(writes: Iterable[tuple[torch.nn.Module, str]]) -> tuple[str, ...]:

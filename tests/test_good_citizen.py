@@ -522,3 +522,37 @@ def test_two_threads_calling_one_wrapper_lose_no_buffer_update() -> None:
     # The same batch each time: the statistics do not depend on the calls' order.
     assert torch.allclose(model.bn.running_mean, reference.bn.running_mean, atol=1e-6)
     assert torch.allclose(model.bn.running_var, reference.bn.running_var, atol=1e-6)
+
+
+def test_a_wrapper_inside_another_loses_no_buffer_update_across_threads() -> None:
+    """An outer wrapper whose graph updates an inner wrapper's BatchNorm, called in one thread
+    while the inner wrapper is called in another: the locks are the buffers' own, so every
+    update lands (a lock per wrapper let the two write-backs race: 43-57 of 62)."""
+    torch.manual_seed(0)
+    inner = ortfx.ORTModule(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.bn = inner, nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.inner(x))
+
+    outer = ortfx.ORTModule(Outer())
+
+    def run(module: nn.Module, calls: int) -> None:
+        for _ in range(calls):
+            with torch.no_grad():
+                module(torch.randn(3, 4))
+
+    run(outer, 1)
+    run(inner, 1)
+    threads = [threading.Thread(target=run, args=(m, 30)) for m in (outer, inner)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    counts = [int(b) for n, b in inner.named_buffers() if n.endswith("num_batches_tracked")]
+    assert counts == [62]
+    assert int(outer.bn.num_batches_tracked) == 31

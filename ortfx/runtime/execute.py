@@ -83,7 +83,7 @@ def execute(
     # Runs that write the module's buffers back (BatchNorm's running statistics) are one at
     # a time per module: two threads' runs would each read the old values and the last copy
     # back would win (eager's in-place updates lose none).
-    with _buffer_updates_serialized(module, info):
+    with _buffer_updates_serialized(tracked, info):
         inputs = info.construct_inputs_flat(leaves, tracked.named_tensors)
         needs_grad = call.grad.any_grad and torch.is_grad_enabled()
         built = compiled
@@ -305,14 +305,19 @@ def _check_updated_inputs(
 
 @contextlib.contextmanager
 def _buffer_updates_serialized(
-    module: torch.nn.Module, info: PostExportProcessedModelInfo
+    tracked: Tracked, info: PostExportProcessedModelInfo
 ) -> Iterator[None]:
-    """Hold ``module``'s buffer lock while a graph that updates its buffers runs and writes
-    back (an export holds it too: its trace changes the buffers and puts them back)."""
-    if not any(update.kind == "state" for update in info.updates):
+    """Hold the locks of the buffers a graph updates while it runs and writes them back (an
+    export holds them too: its trace changes the buffers and puts them back)."""
+    updated = [
+        tracked.named_tensors[update.target]  # type: ignore[index]
+        for update in info.updates
+        if update.kind == "state"
+    ]
+    if not updated:
         yield
         return
-    with module_state.buffer_lock(module):
+    with module_state.buffers_locked(updated):
         yield
 
 

@@ -140,7 +140,10 @@ def _export(
     dynamic = frozenset(shell.options.dynamic_scalars)
     # ZeRO-3 phase 2 partitions the weights between layers: the trace needs them whole.
     # Muted: a forward that reassigns a buffer while traced is not a module change.
-    with partitioned.gathered_for_export(module), module_state.buffer_lock(module):
+    with (
+        partitioned.gathered_for_export(module),
+        module_state.buffers_locked(module.buffers()),
+    ):
         source = copy.deepcopy(module) if shell.options.deepcopy_before_export else module
         with watch.muted(module):
             exported = export(source, leaves, call.key.schema, call.key.options, call.grad_enabled)
