@@ -361,14 +361,15 @@ def test_random_draws_are_said_once_per_process(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A graph with random nodes draws other values than eager (ORT's generators): a WARNING
-    says so once per process, naming the kinds of nodes; a graph without random nodes, and
-    the second wrapper with them, say nothing."""
+    says so once per process, naming the kinds of nodes; a graph without random nodes, a
+    dropout of p=0, and the second wrapper with them, say nothing."""
     from ortfx.runtime import logs
 
     monkeypatch.setattr(logs, "_RANDOM_SAID", [])
     x = torch.randn(4, 8)
     with caplog.at_level(logging.WARNING, logger="ortfx"):
         ortfx.ORTModule(nn.Linear(8, 8))(x)
+        ortfx.ORTModule(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0)))(x)  # draws nothing
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         for _ in range(2):
             ortfx.ORTModule(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)))(x)

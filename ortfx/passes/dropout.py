@@ -4,6 +4,7 @@ every random node, so that a session's draws are reproducible and no two streams
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import onnx
 
@@ -54,11 +55,29 @@ def session_seed(torch_state: bytes, session: int) -> int:
 
 
 def random_ops(model: bytes) -> tuple[str, ...]:
-    """The kinds of random nodes in ``model`` (Dropout, RandomNormal, ...), each once."""
+    """The kinds of random nodes in ``model`` (Dropout, RandomNormal, ...), each once; a
+    Dropout whose ratio is a constant 0 draws nothing (transformers' default configs)."""
     graph = onnx.load_model_from_string(model).graph
-    return tuple(
-        dict.fromkeys(n.op_type for n in graph.node if n.op_type in _SEED_BITS and not n.domain)
-    )
+    zeros = {i.name for i in graph.initializer if _is_zero(onnx.numpy_helper.to_array(i))}
+    for node in graph.node:
+        if node.op_type == "Constant" and not node.domain:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None and _is_zero(onnx.numpy_helper.to_array(value)):
+                zeros.add(node.output[0])
+    found = []
+    for node in graph.node:
+        if node.op_type not in _SEED_BITS or node.domain:
+            continue
+        if node.op_type == "Dropout" and (
+            len(node.input) < 2 or not node.input[1] or node.input[1] in zeros
+        ):
+            continue  # no ratio input means 0.5 in ONNX, but the exporter always writes one
+        found.append(node.op_type)
+    return tuple(dict.fromkeys(found))
+
+
+def _is_zero(array: Any) -> bool:
+    return bool(array.size == 1 and float(array.reshape(())) == 0.0)
 
 
 def seed_random_nodes(seed: int) -> Pass:

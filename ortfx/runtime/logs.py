@@ -214,6 +214,10 @@ def compute_optimizer_failed(log: WrapperLog, failure: str) -> None:
 _RANDOM_SAID: list[bool] = []
 
 
+def random_draws_said() -> bool:
+    return bool(_RANDOM_SAID)
+
+
 def random_draws(log: WrapperLog, ops: tuple[str, ...]) -> None:
     """Once per process: the graph's random nodes draw other values than eager's."""
     if not _RANDOM_SAID:

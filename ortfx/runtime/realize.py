@@ -171,9 +171,10 @@ def _export(
     routed = aten.routed_ops(exported.info.model)  # ops run by torch inside the graph
     if routed:
         logs.ops_in_torch(log, routed)
-    drawn = passes.random_ops(exported.info.model)
-    if drawn:
-        logs.random_draws(log, drawn)
+    if not logs.random_draws_said():
+        drawn = passes.random_ops(exported.info.model)
+        if drawn:
+            logs.random_draws(log, drawn)
     if exported.tracer_warnings and call.key.options.strict_tracing:
         raise OrtfxExportError(
             STRICT_TRACING_REFUSED.format(

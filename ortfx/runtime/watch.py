@@ -93,10 +93,10 @@ class Tracked:
     outside: Outside | None = None
 
     def unchanged(self) -> bool:
-        """Nothing the graph was built over changed behind the wrapper: the first parameter's
-        slot and device, the hook clock and tables, the buffers' flags, the public attributes,
-        the configs. The fast path's one check, inline (each test is cheap; most are skipped
-        for what the tree does not have)."""
+        """Nothing the graph was built over changed behind the wrapper: every parameter and
+        buffer slot, the parameters' device, the hook clock and tables, the buffers' flags,
+        the public attributes, the configs. The fast path's one check, inline (each test is
+        cheap; most are skipped for what the tree does not have)."""
         if self.params and self.params[0].device != self.device:
             return False
         for table, name, tensor, _ in self.slots:
