@@ -20,7 +20,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import optree
@@ -439,6 +439,11 @@ def _call_as(func: Any, args: Sequence[Any], kwargs: Any) -> Any:
     return func(*args, **kwargs)
 
 
+# Generator methods that draw nothing (seeding, state), on a profile hook's c_call.
+_NOT_DRAWS: Final = frozenset(
+    {"seed", "getstate", "setstate", "get_state", "set_state", "__init__", "__reduce__"}
+)
+
 _CALL_LINE = max(line for _, _, line in _call_as.__code__.co_lines() if line is not None)
 _CALL_OFFSET = _CALL_LINE - _call_as.__code__.co_firstlineno
 # (code, line) of a forward's call site -> _call_as compiled as if written on that line of that
@@ -585,6 +590,15 @@ class Watch:
                     _BOOKKEEPING
                 ):
                     reads.mode = True  # the forward branches on grad mode, as called
+                elif (
+                    reads.drew is None
+                    and isinstance(getattr(arg, "__self__", None), outside.GENERATORS)
+                    and getattr(arg, "__name__", "") not in _NOT_DRAWS
+                    and not frame.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+                ):
+                    # A draw from a Python or NumPy generator (one the forward made itself
+                    # too): the traced graph would keep the number it drew.
+                    reads.drew = outside.generator_name(arg)
             elif dynamo and event == "call" and frame.f_code is _torch.FUNCTION_APPLY_CODE:
                 # The dynamo exporter inlines Functions silently: see each apply, however
                 # bound.

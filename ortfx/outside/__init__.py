@@ -20,10 +20,11 @@ and torch's, ortfx's and the exporters' own code are not guarded.
 """
 
 from ortfx.outside.code import MAX_ITEMS, Ran, Scan, Unguardable, scan, static
-from ortfx.outside.collect import collect, drew, refusal, streams
+from ortfx.outside.collect import GENERATORS, collect, drew, generator_name, refusal, streams
 from ortfx.outside.record import Outside
 
 __all__ = [
+    "GENERATORS",
     "MAX_ITEMS",
     "Outside",
     "Ran",
@@ -31,6 +32,7 @@ __all__ = [
     "Unguardable",
     "collect",
     "drew",
+    "generator_name",
     "refusal",
     "scan",
     "static",

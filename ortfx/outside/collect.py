@@ -250,7 +250,7 @@ class Builder:
 # Random number generators of Python and NumPy a forward may hold (``self.rng``): a draw from
 # one is a Python number the trace bakes in, and its state moves with every draw, so no
 # comparison could tell a graph that holds the first draw from the call's own.
-_GENERATORS: Final = (
+GENERATORS: Final = (
     random.Random,
     np.random.Generator,
     np.random.RandomState,
@@ -258,8 +258,19 @@ _GENERATORS: Final = (
 )
 
 
+def generator_name(method: Any) -> str:
+    """How the log names the generator a drawing method belongs to."""
+    owner = method.__self__
+    if owner is getattr(random.random, "__self__", None):
+        return "Python's random module"
+    if owner is getattr(np.random.rand, "__self__", None):
+        return "NumPy's global random state"
+    kind = type(owner)
+    return f"a {kind.__module__}.{kind.__qualname__} ({method.__name__})"
+
+
 def _refuse_generator(value: Any, where: str) -> None:
-    if isinstance(value, _GENERATORS):
+    if isinstance(value, GENERATORS):
         raise Unguardable(
             f"{where} (a {type(value).__name__}, a random number generator: the graph would "
             "hold the numbers it drew while traced, on every call; draw with torch instead)"
