@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import os
 import random
-import re
 import sys
 import types
 from collections.abc import Callable
@@ -432,9 +431,8 @@ def test_a_draw_from_a_generator_the_forward_holds_is_refused(
     with pytest.raises(ortfx.OrtfxExportError) as raised:
         ortfx.ORTModule(make(), options=STRICT)(x)
     said = str(raised.value)
-    assert (
-        "draws from a random.Random" in said
-        or f"{where} (a " in said
+    assert "draws from a random.Random" in said or (
+        f"{where} (a " in said
         and "a random number generator: the graph would hold the numbers it drew" in said
     ), said
     torch.manual_seed(0)
