@@ -594,7 +594,7 @@ class Watch:
                     reads.drew is None
                     and isinstance(getattr(arg, "__self__", None), outside.GENERATORS)
                     and getattr(arg, "__name__", "") not in _NOT_DRAWS
-                    and not frame.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+                    and outside.users_code(frame.f_code)
                 ):
                     # A draw from a Python or NumPy generator (one the forward made itself
                     # too): the traced graph would keep the number it drew.

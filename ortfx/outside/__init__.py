@@ -19,7 +19,7 @@ registries may grow in place without changing what the forward computes. The sta
 and torch's, ortfx's and the exporters' own code are not guarded.
 """
 
-from ortfx.outside.code import MAX_ITEMS, Ran, Scan, Unguardable, scan, static
+from ortfx.outside.code import MAX_ITEMS, Ran, Scan, Unguardable, scan, static, users_code
 from ortfx.outside.collect import GENERATORS, collect, drew, generator_name, refusal, streams
 from ortfx.outside.record import Outside
 
@@ -37,4 +37,5 @@ __all__ = [
     "scan",
     "static",
     "streams",
+    "users_code",
 ]

@@ -75,6 +75,27 @@ def scan(code: types.CodeType) -> Scan | None:
     return found
 
 
+_USERS: dict[types.CodeType, bool] = {}
+
+
+def users_code(code: types.CodeType) -> bool:
+    """Whether ``code`` is the user's own (not the standard library's, nor an installed
+    package's: torch's exporters, onnxscript and tempfile draw random names of their own)."""
+    found = _USERS.get(code)
+    if found is None:
+        filename = code.co_filename
+        real = os.path.realpath(filename)
+        found = not (
+            filename.startswith("<frozen")
+            or real.startswith(_STDLIB)
+            or any(lib in real for lib in _LIBRARIES)
+        )
+        if len(_USERS) >= 20_000:
+            _USERS.clear()
+        _USERS[code] = found
+    return found
+
+
 def _guarded_file(filename: str) -> bool:
     if filename.startswith("<frozen"):
         return False
