@@ -13,8 +13,8 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
 import attrs
 import torch
@@ -303,22 +303,23 @@ def _check_updated_inputs(
             raise OrtfxIOError(INPUT_CHANGED_IN_PLACE.format(path=path))
 
 
-@contextlib.contextmanager
 def _buffer_updates_serialized(
     tracked: Tracked, info: PostExportProcessedModelInfo
-) -> Iterator[None]:
-    """Hold the locks of the buffers a graph updates while it runs and writes them back (an
-    export holds them too: its trace changes the buffers and puts them back)."""
+) -> contextlib.AbstractContextManager[None]:
+    """The locks of the buffers a graph updates, held while it runs and writes them back (an
+    export holds them too: its trace changes the buffers and puts them back); nothing to hold
+    for a graph that updates none (the common call: no generator frame on the fast path)."""
+    if not info.updates:
+        return _NOTHING
     updated = [
         tracked.named_tensors[update.target]  # type: ignore[index]
         for update in info.updates
         if update.kind == "state"
     ]
-    if not updated:
-        yield
-        return
-    with module_state.buffers_locked(updated):
-        yield
+    return module_state.buffers_locked(updated) if updated else _NOTHING
+
+
+_NOTHING: Final = contextlib.nullcontext()
 
 
 def _copy_back(
