@@ -75,25 +75,10 @@ def scan(code: types.CodeType) -> Scan | None:
     return found
 
 
-_USERS: dict[types.CodeType, bool] = {}
-
-
 def users_code(code: types.CodeType) -> bool:
     """Whether ``code`` is the user's own (not the standard library's, nor an installed
     package's: torch's exporters, onnxscript and tempfile draw random names of their own)."""
-    found = _USERS.get(code)
-    if found is None:
-        filename = code.co_filename
-        real = os.path.realpath(filename)
-        found = not (
-            filename.startswith("<frozen")
-            or real.startswith(_STDLIB)
-            or any(lib in real for lib in _LIBRARIES)
-        )
-        if len(_USERS) >= 20_000:
-            _USERS.clear()
-        _USERS[code] = found
-    return found
+    return _guarded_file(code.co_filename) and not _library(code)
 
 
 def _guarded_file(filename: str) -> bool:
@@ -219,11 +204,7 @@ class Ran:
             return
         if code in _tracing_queries():
             caller = frame.f_back
-            if (
-                caller is not None
-                and not _library(caller.f_code)
-                and not caller.f_globals.get("__name__", "").startswith(_NOT_GUARDED)
-            ):
+            if caller is not None and users_code(caller.f_code):
                 where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
                 self.tracing_queries[f"{code.co_name}() at {where}"] = None
             return

@@ -276,10 +276,16 @@ class TrainingRunner:
             raise OrtfxRuntimeError(RESTRICTED_BACKWARD)
         cut: list[tuple[int, int]] = []  # where a Function's backward gave no gradient
         # Outputs without a gradient (unused by the loss): what only they reach gets None.
-        unused = [k for k, g in enumerate(grad_outputs) if g is None]
+        # Only the user's outputs can go unused: the buffer updates and guards after them
+        # never take a gradient (BatchNorm models skip this on every step).
+        unused = any(
+            grad_outputs[k] is None
+            for k in range(self.info.n_user_outputs)
+            if k not in self.non_differentiable
+        )
         seeded = (
             [self.info.output_names[k] for k, g in enumerate(grad_outputs) if g is not None]
-            if not self.non_differentiable.issuperset(unused)
+            if unused
             else None
         )
         if not (self.python_ops or run_state.fed or self.releases_torch_threads):
