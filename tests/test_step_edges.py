@@ -473,3 +473,27 @@ def test_a_hook_on_an_output_read_inside_without_a_gradient_works_as_eager() -> 
     assert max_diff(y_o, y_e) <= 1e-6 and max_diff(c_o, c_e) <= 1e-6
     for a, b in zip(p_o, p_e, strict=True):
         assert max_diff(a, b) <= 1e-5  # sums of magnitude 10
+
+
+def test_a_librarys_hook_on_an_output_the_graph_reads_passes() -> None:
+    """FSDP's and DeepSpeed's pre-backward hooks on a module's outputs schedule their own work
+    and return nothing: such a hook (its function from a library's module) does not raise
+    where a user's hook on the same output does, and the gradients are eager's (1e-6)."""
+    torch.manual_seed(0)
+    model = ReturnsHidden()
+    wrapped = ortfx.ORTModule(copy.deepcopy(model), options=STRICT)
+    x = torch.randn(3, 4)
+    calls: list[int] = []
+
+    def schedule(grad: torch.Tensor) -> None:
+        calls.append(1)
+
+    schedule.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    for module in (model, wrapped):
+        h, y, _ = module(x)
+        h.register_hook(schedule)
+        (y.sum() + h.sum()).backward()
+    assert calls == [1, 1]
+    for (path, p), q in zip(wrapped.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert max_diff(p.grad, q.grad) <= 1e-6, path
